@@ -1,0 +1,27 @@
+"""DeepSeek-V4 (Flash / Pro) in JAX + Equinox."""
+
+from ._attention import Attention as Attention, attend as attend
+from ._block import Block as Block
+from ._compressor import (
+    AbstractCompressor as AbstractCompressor,
+    CSACompressor as CSACompressor,
+    HCACompressor as HCACompressor,
+)
+from ._config import (
+    CSA as CSA,
+    HASH_MOE as HASH_MOE,
+    HCA as HCA,
+    MOE as MOE,
+    SLIDING as SLIDING,
+    Config as Config,
+    YarnScaling as YarnScaling,
+)
+from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead
+from ._indexer import LightningIndexer as LightningIndexer
+from ._layers import Embedding as Embedding, Linear as Linear, RMSNorm as RMSNorm
+from ._model import DeepseekV4 as DeepseekV4, LayerStack as LayerStack, MTPBlock as MTPBlock
+from ._moe import Experts as Experts, Gate as Gate, MoE as MoE, SharedExpert as SharedExpert
+from ._plan import LayerPlan as LayerPlan, Segment as Segment
+from ._rope import RoPE as RoPE
+
+__version__ = "0.1.0"

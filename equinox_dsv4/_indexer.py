@@ -1,0 +1,91 @@
+"""The Lightning Indexer: picks, per query, which compressed entries a CSA layer attends to.
+
+It keeps its own, narrower compressed keys (a `CSACompressor` at `index_head_dim`) and scores
+query `t` against entry `j` as `I[t, j] = sum_h w[t, h] relu(q[t, h] . K[j])`, where `q` comes from
+the attention's low-rank query (`qr`) and the head weights `w` from the block input. Entries a
+query may not see yet (`j >= (t + 1) // ratio`) are excluded; the `index_topk` best remain, and
+picks that still point at an unseeable entry (fewer visible entries than `index_topk`) become
+the sentinel `-1`. The indexer affects the output only through this selection.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._compressor import CSACompressor
+from ._config import Config
+from ._layers import Linear
+from ._rope import RoPE
+
+
+def visible_blocks(positions: Int[Array, "*batch"], ratio: int) -> Int[Array, "*batch"]:
+    """How many compressed entries the query at each position may use: those whose block has
+    ended at or before it, `(t + 1) // ratio`."""
+    return (positions + 1) // ratio
+
+
+class LightningIndexer(eqx.Module):
+    """Top-k selection of compressed entries for CSA layers."""
+
+    wq_b: Linear
+    weights_proj: Linear
+    compressor: CSACompressor
+    n_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    topk: int = eqx.field(static=True)
+    ratio: int = eqx.field(static=True)
+    rope: RoPE = eqx.field(static=True)
+
+    def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
+        q_key, w_key, c_key = jr.split(key, 3)
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.topk = config.index_topk
+        self.ratio = config.compress_rate_csa
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, key=q_key, dtype=dtype)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, key=w_key, dtype=dtype)
+        self.compressor = CSACompressor(config, self.head_dim, key=c_key, dtype=dtype)
+        self.rope = RoPE.for_layer(config, compressed=True)
+
+    def scores(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        qr: Float[Array, "batch seq q_lora"],
+        keys: Float[Array, "batch blocks index_dim"],
+        positions: Int[Array, "batch seq"],
+    ) -> Float[Array, "batch seq blocks"]:
+        """Float32 index scores of every query against every compressed key."""
+        b, s, _ = x.shape
+        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        q = self.rope(q, positions)
+        logits = jnp.einsum("bshk,bnk->bshn", q, keys, preferred_element_type=jnp.float32)
+        scale = (self.head_dim * self.n_heads) ** -0.5
+        w = self.weights_proj(x, dtype=jnp.float32) * scale
+        return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
+
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], qr: Float[Array, "batch seq q_lora"]
+    ) -> Int[Array, "batch seq topk"]:
+        """**Arguments:**
+
+        - `x`: the normed block input at positions `0 .. seq-1`.
+        - `qr`: the attention's normed low-rank query `[batch, seq, q_lora_rank]`.
+
+        **Returns:** int32 indices of the selected entries, `min(index_topk, seq // ratio)` per
+        query, with `-1` for picks the query may not see. Their order is unspecified.
+        """
+        b, s, _ = x.shape
+        keys = self.compressor(x)
+        if keys.shape[1] == 0:
+            return jnp.zeros((b, s, 0), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        scores = self.scores(x, qr, keys, positions)
+        visible = visible_blocks(positions, self.ratio)[..., None]
+        entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
+        entry = jnp.broadcast_to(entry, scores.shape)
+        scores = jnp.where(entry < visible, scores, -jnp.inf)
+        _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
+        return jnp.where(picked < visible, picked, -1).astype(jnp.int32)

@@ -1,0 +1,216 @@
+"""The DeepSeek-V4 model: embedding, `hc_mult` residual streams, the planned layer stack, the
+stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) block."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._block import Block
+from ._config import MOE, SLIDING, Config
+from ._hyper import HyperHead
+from ._layers import Embedding, Linear, RMSNorm
+from ._plan import LayerPlan, Segment
+
+
+class LayerStack(eqx.Module):
+    """A scanned segment of the plan: `blocks[p]` holds the weights of the layers at position `p`
+    of the period, stacked along a leading axis of length `repeats`."""
+
+    blocks: tuple[Block, ...]
+    repeats: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: Config,
+        segment: Segment,
+        layer_keys: Array,
+        *,
+        dtype: DTypeLike = jnp.float32,
+    ):
+        def make(kind, keys):
+            return eqx.filter_vmap(lambda k: Block(config, *kind, key=k, dtype=dtype))(keys)
+
+        self.blocks = tuple(
+            make(kind, layer_keys[jnp.array([segment.layer(p, r) for r in range(segment.repeats)])])
+            for p, kind in enumerate(segment.period)
+        )
+        self.repeats = segment.repeats
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq streams d_model"],
+        ids: Int[Array, "batch seq"],
+        *,
+        scan: bool = True,
+    ) -> Float[Array, "batch seq streams d_model"]:
+        """Applies the `repeats x period` layers in order; `scan=False` unrolls the same stacked
+        weights into a Python loop (more to compile, same numbers)."""
+
+        def period(x, blocks):
+            for block in blocks:
+                x = block(x, ids)
+            return x, None
+
+        if scan:
+            return jax.lax.scan(period, x, self.blocks)[0]
+        for r in range(self.repeats):
+            x, _ = period(x, jax.tree.map(lambda a, r=r: a[r], self.blocks))
+        return x
+
+
+class MTPBlock(eqx.Module):
+    """One multi-token-prediction block (DeepSeek-V3 style, as in DeepSeek-V4's release).
+
+    From the main model's final streams `X` and the *next* tokens `ids'` (so position `t` predicts
+    token `t + 2`): `X' = e_proj(enorm(embed(ids')))` broadcast over streams `+ h_proj(hnorm(X))`,
+    then a sliding-only, learned-routing decoder block, then its own stream collapse and norm,
+    then the shared head. The embedding and head are the main model's.
+    """
+
+    block: Block
+    e_proj: Linear
+    h_proj: Linear
+    enorm: RMSNorm
+    hnorm: RMSNorm
+    norm: RMSNorm
+    hc_head: HyperHead
+
+    def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
+        b_key, e_key, h_key, hc_key = jr.split(key, 4)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.block = Block(config, SLIDING, MOE, key=b_key, dtype=dtype)
+        self.e_proj = Linear(d, d, key=e_key, dtype=dtype)
+        self.h_proj = Linear(d, d, key=h_key, dtype=dtype)
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.norm = RMSNorm(d, eps)
+        self.hc_head = HyperHead(config, key=hc_key)
+
+    def __call__(
+        self,
+        streams: Float[Array, "batch seq streams d_model"],
+        next_ids: Int[Array, "batch seq"],
+        embed: Embedding,
+    ) -> tuple[Float[Array, "batch seq d_model"], Float[Array, "batch seq streams d_model"]]:
+        """**Arguments:**
+
+        - `streams`: the main model's final streams (before its stream collapse).
+        - `next_ids`: the tokens one step ahead of the ones that produced `streams`.
+        - `embed`: the main model's embedding.
+
+        **Returns:** `(h, streams')`: the normed hidden state for the head and this block's
+        output streams (the input of a further MTP depth).
+        """
+        e = self.e_proj(self.enorm(embed(next_ids)))
+        x = e[:, :, None, :] + self.h_proj(self.hnorm(streams))
+        x = self.block(x, next_ids)
+        return self.norm(self.hc_head(x)), x
+
+
+class DeepseekV4(eqx.Module):
+    """DeepSeek-V4 (Flash / Pro and any config of the family) as one Equinox module.
+
+    `model(input_ids)` runs the full causal forward pass: the embedding is copied into
+    `hc_mult` streams, the decoder layers run in the order of `plan` (unrolled blocks and scanned
+    `LayerStack`s), `hc_head` collapses the streams, then the final norm and the head give
+    float32 logits.
+
+    Build a full-size model abstractly with `eqx.filter_eval_shape(DeepseekV4, config, key=...)`
+    and fill it from a checkpoint; random initialisation is for tiny models and tests.
+    """
+
+    embed: Embedding
+    layers: tuple[Block | LayerStack, ...]
+    hc_head: HyperHead
+    norm: RMSNorm
+    head: Linear
+    mtp: tuple[MTPBlock, ...]
+    config: Config = eqx.field(static=True)
+    plan: LayerPlan = eqx.field(static=True)
+
+    def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
+        """**Arguments:**
+
+        - `config`: the model config.
+        - `key`: PRNG key. Layer `l`'s weights come from `fold_in(key, l)`, so they do not depend
+          on how the plan groups layers.
+        - `dtype`: dtype of the embedding, linear and expert weights (`float32` or `bfloat16`);
+          norm weights, mHC parameters, sinks, slot biases and router biases stay float32.
+        """
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
+        e_key, h_key, hc_key, layers_key, mtp_key = jr.split(key, 5)
+        layer_keys = jax.vmap(lambda i: jr.fold_in(layers_key, i))(
+            jnp.arange(config.num_hidden_layers)
+        )
+        plan = LayerPlan.from_config(config)
+        layers: list[Block | LayerStack] = []
+        for seg in plan.segments:
+            if seg.scanned:
+                layers.append(LayerStack(config, seg, layer_keys, dtype=dtype))
+            else:
+                kind = seg.period[0]
+                layers.append(Block(config, *kind, key=layer_keys[seg.start], dtype=dtype))
+        self.embed = Embedding(config.vocab_size, config.hidden_size, key=e_key, dtype=dtype)
+        self.layers = tuple(layers)
+        self.hc_head = HyperHead(config, key=hc_key)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, key=h_key, dtype=dtype)
+        self.mtp = tuple(
+            MTPBlock(config, key=k, dtype=dtype)
+            for k in jr.split(mtp_key, config.num_nextn_predict_layers)
+        )
+        self.config = config
+        self.plan = plan
+
+    def __call__(self, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
+        """**Arguments:** `input_ids`, int32 token ids `[batch, seq]` at positions `0 .. seq-1`.
+
+        **Returns:** float32 logits `[batch, seq, vocab_size]`.
+        """
+        return self.logits(self.streams(input_ids))
+
+    def streams(
+        self, input_ids: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq streams d_model"]:
+        """The residual streams after the last decoder layer (the MTP block's input)."""
+        _check_ids(input_ids)
+        e = self.embed(input_ids)
+        x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
+        for layer in self.layers:
+            if isinstance(layer, LayerStack):
+                x = layer(x, input_ids, scan=self.config.scan_layers)
+            else:
+                x = layer(x, input_ids)
+        return x
+
+    def logits(
+        self, streams: Float[Array, "batch seq streams d_model"]
+    ) -> Float[Array, "batch seq vocab"]:
+        """Stream collapse, final norm and head; float32 logits."""
+        return self.head(self.norm(self.hc_head(streams)), dtype=jnp.float32)
+
+    def mtp_logits(
+        self,
+        streams: Float[Array, "batch seq streams d_model"],
+        next_ids: Int[Array, "batch seq"],
+    ) -> Float[Array, "batch seq vocab"]:
+        """Logits of the first MTP block: position `t` predicts token `t + 2` from the final
+        streams at `t` and `next_ids[:, t]` (token `t + 1`)."""
+        if not self.mtp:
+            raise ValueError("this model has no MTP block (num_nextn_predict_layers == 0)")
+        _check_ids(next_ids)
+        h, _ = self.mtp[0](streams, next_ids, self.embed)
+        return self.head(h, dtype=jnp.float32)
+
+
+def _check_ids(ids: Array) -> None:
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"input_ids must be an integer array [batch, seq], got {ids.dtype}{list(ids.shape)}"
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("input_ids is empty (seq length 0)")

@@ -1,0 +1,21 @@
+import os
+
+# Eight simulated CPU devices for the sharding tests; must be set before JAX initialises.
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+# Parity tests compare float32 against torch float32: no reduced-precision matmul passes.
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def getkey():
+    """Fresh PRNG keys, deterministic per test."""
+    keys = iter(jax.random.split(jax.random.key(0), 1000))
+    return lambda: next(keys)

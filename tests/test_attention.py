@@ -1,0 +1,107 @@
+"""Attention (sliding-only, CSA, HCA) against transformers, and the sink / window by hand."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import (
+    abstract,
+    hf_config,
+    load_component,
+    random_fill,
+    randomize,
+    tiny_config,
+    to_numpy,
+    to_torch,
+    window_mask,
+)
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+import equinox_dsv4 as ed
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def reference_attention(config, layer, seed):
+    hf_cfg = hf_config(config)
+    reference = randomize(hf.DeepseekV4Attention(hf_cfg, layer), seed=seed).eval()
+    return reference, hf.DeepseekV4RotaryEmbedding(hf_cfg)
+
+
+def run_reference(reference, rotary, x, window):
+    b, s, _ = x.shape
+    xt = to_torch(x)
+    positions = torch.arange(s).expand(b, s)
+    embeddings = {label: rotary(xt, positions, layer_type=label) for label in ("main", "compress")}
+    with torch.no_grad():
+        out, _ = reference(xt, embeddings, positions, window_mask(s, window, b))
+    return to_numpy(out)
+
+
+# Layers of tiny_config: 0 sliding, 2 CSA (hash), 3 HCA.
+@pytest.mark.parametrize("layer", [0, 2, 3])
+@pytest.mark.parametrize("seq", [3, 13, 37])
+def test_attention_matches_reference(getkey, layer, seq):
+    config = tiny_config()
+    reference, rotary = reference_attention(config, layer, seed=10 * layer + seq)
+    ours = load_component(
+        abstract(ed.Attention, config, config.layer_types[layer]),
+        reference,
+        f"model.layers.{layer}.self_attn.",
+        ".attn",
+    )
+    x = jax.random.normal(getkey(), (2, seq, config.hidden_size))
+    expected = run_reference(reference, rotary, x, config.sliding_window)
+    np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **TOL)
+
+
+def test_attention_window_longer_than_sequence(getkey):
+    config = tiny_config(sliding_window=64)
+    reference, rotary = reference_attention(config, 3, seed=5)
+    ours = load_component(
+        abstract(ed.Attention, config, ed.HCA), reference, "model.layers.3.self_attn.", ".attn"
+    )
+    x = jax.random.normal(getkey(), (1, 40, config.hidden_size))
+    np.testing.assert_allclose(
+        eqx.filter_jit(ours)(x), run_reference(reference, rotary, x, 64), **TOL
+    )
+
+
+def test_attend_by_hand():
+    # One head, head_dim 1, keys = values = [1, 2, 3] at positions 0..2, window 2, q = 1.
+    # Query 2 sees keys 1, 2 (values 2, 3) with logits 2, 3 and the sink logit s:
+    # out = (2 e^2 + 3 e^3) / (e^2 + e^3 + e^s).
+    q = jnp.ones((1, 3, 1, 1))
+    kv = jnp.array([[[1.0], [2.0], [3.0]]])
+    sink = jnp.array([0.5])
+    out = ed.attend(q, kv, sink, window=2)
+    e = np.exp
+    expected = (2 * e(2) + 3 * e(3)) / (e(2) + e(3) + e(0.5))
+    np.testing.assert_allclose(out[0, 2, 0, 0], expected, rtol=1e-6)
+    # Query 0 sees only itself: 1 * e^1 / (e^1 + e^0.5).
+    np.testing.assert_allclose(out[0, 0, 0, 0], e(1) / (e(1) + e(0.5)), rtol=1e-6)
+
+
+def test_attend_compressed_entries_by_hand():
+    # Query 1 with window 1 sees key 1 (value 2) plus compressed entry 0 (value 5), no sink mass
+    # to speak of: out = (2 e^2 + 5 e^5) / (e^2 + e^5 + e^-30).
+    q = jnp.ones((1, 2, 1, 1))
+    kv = jnp.array([[[1.0], [2.0]]])
+    compressed = jnp.array([[[5.0], [7.0]]])
+    mask = jnp.array([[[False, False], [True, False]]])
+    out = ed.attend(q, kv, jnp.array([-30.0]), 1, compressed, mask)
+    e = np.exp
+    np.testing.assert_allclose(
+        out[0, 1, 0, 0], (2 * e(2) + 5 * e(5)) / (e(2) + e(5) + e(-30)), rtol=1e-6
+    )
+    np.testing.assert_allclose(out[0, 0, 0, 0], 1.0, rtol=1e-6)
+
+
+def test_attention_bf16_runs(getkey):
+    config = tiny_config()
+    attn = random_fill(abstract(ed.Attention, config, ed.CSA, dtype=jnp.bfloat16), 0)
+    x = jax.random.normal(getkey(), (1, 21, config.hidden_size)).astype(jnp.bfloat16)
+    out = eqx.filter_jit(attn)(x)
+    assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())

@@ -1,0 +1,107 @@
+"""RMSNorm, RoPE (default and YaRN frequencies, interleaved rotation on the trailing dims) against
+transformers and hand-computed values."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy, to_torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+import equinox_dsv4 as ed
+from equinox_dsv4._layers import rms_normalize
+from equinox_dsv4._rope import inverse_frequencies
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_matches_reference(getkey):
+    x = jax.random.normal(getkey(), (2, 5, 32))
+    reference = randomize(hf.DeepseekV4RMSNorm(32, eps=1e-6), seed=1)
+    ours = fill_paths(ed.RMSNorm(32, 1e-6), {".weight": to_numpy(reference.weight)})
+    expected = to_numpy(reference(to_torch(x)))
+    np.testing.assert_allclose(ours(x), expected, **TOL)
+
+
+def test_rmsnorm_bf16_keeps_float32_weight_and_casts_back(getkey):
+    x = jax.random.normal(getkey(), (3, 16)).astype(jnp.bfloat16)
+    norm = ed.RMSNorm(16)
+    y = norm(x)
+    assert y.dtype == jnp.bfloat16 and norm.weight.dtype == jnp.float32
+    xf = np.asarray(x, np.float32)
+    expected = xf / np.sqrt(np.mean(xf**2, -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(y, np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_unweighted_norm_matches_reference(getkey):
+    x = jax.random.normal(getkey(), (2, 3, 4, 32)) * 3
+    expected = to_numpy(hf.DeepseekV4UnweightedRMSNorm(eps=1e-6)(to_torch(x)))
+    np.testing.assert_allclose(rms_normalize(x, 1e-6), expected, **TOL)
+
+
+def test_yarn_released_correction_range():
+    # V4 compress rope: dim 64, theta 160000, factor 16, original 65536 -> pairs 0..14 keep the
+    # original frequency, 25..31 are divided by 16, 15..24 are blended (low 15, high 25).
+    yarn = ed.YarnScaling(factor=16.0, original_max_position_embeddings=65536)
+    base = inverse_frequencies(64, 160000.0, None)
+    scaled = inverse_frequencies(64, 160000.0, yarn)
+    np.testing.assert_array_equal(scaled[:16], base[:16])
+    np.testing.assert_allclose(scaled[25:], base[25:] / 16, rtol=1e-6)
+    ramp = (np.arange(32) - 15) / 10
+    blended = base / 16 * np.clip(ramp, 0, 1) + base * (1 - np.clip(ramp, 0, 1))
+    np.testing.assert_allclose(scaled, blended, rtol=1e-6)
+    np.testing.assert_allclose(base, 160000.0 ** (-np.arange(0, 64, 2) / 64), rtol=1e-6)
+
+
+@pytest.mark.parametrize("label", ["main", "compress"])
+def test_inverse_frequencies_match_reference(label):
+    config = tiny_config(
+        rope_scaling=ed.YarnScaling(factor=16.0, original_max_position_embeddings=64)
+    )
+    rotary = hf.DeepseekV4RotaryEmbedding(hf_config(config))
+    expected = to_numpy(getattr(rotary, f"{label}_inv_freq"))
+    rope = ed.RoPE.for_layer(config, compressed=label == "compress")
+    np.testing.assert_allclose(
+        inverse_frequencies(rope.dim, rope.theta, rope.yarn), expected, rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("label", ["main", "compress"])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_rotation_matches_reference(getkey, label, inverse):
+    config = tiny_config()
+    b, s, h = 2, 23, 3
+    x = jax.random.normal(getkey(), (b, s, h, config.head_dim))
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) * 5, (b, s))
+    rotary = hf.DeepseekV4RotaryEmbedding(hf_config(config))
+    cos, sin = rotary(to_torch(x), to_torch(positions).long(), layer_type=label)
+    # transformers rotates [b, h, s, d] and broadcasts cos/sin over heads.
+    ref_in = to_torch(x).transpose(1, 2)
+    expected = hf.apply_rotary_pos_emb(ref_in, cos, -sin if inverse else sin).transpose(1, 2)
+    rope = ed.RoPE.for_layer(config, compressed=label == "compress")
+    ours = rope(x, positions, inverse=inverse)
+    np.testing.assert_allclose(ours, to_numpy(expected), **TOL)
+    # Only the trailing qk_rope_head_dim channels move.
+    np.testing.assert_array_equal(
+        ours[..., : -config.qk_rope_head_dim], x[..., : -config.qk_rope_head_dim]
+    )
+
+
+def test_rope_by_hand():
+    # One pair rotated by angle t * inv_freq_0 = t (inv_freq_0 = 1): (1, 0) -> (cos t, sin t).
+    rope = ed.RoPE(2, 10000.0)
+    x = jnp.array([[[7.0, 1.0, 0.0]]])  # [b, s, 3]: one pass-through channel, one pair
+    y = rope(x, jnp.array([[3]], jnp.int32))
+    np.testing.assert_allclose(y[0, 0], [7.0, math.cos(3), math.sin(3)], rtol=1e-6)
+    back = rope(y, jnp.array([[3]], jnp.int32), inverse=True)
+    np.testing.assert_allclose(back, x, atol=1e-6)
+
+
+def test_rope_rejects_mismatched_positions(getkey):
+    rope = ed.RoPE(8, 10000.0)
+    with pytest.raises(ValueError, match="prefix"):
+        rope(jnp.zeros((2, 5, 16)), jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="positive even"):
+        ed.RoPE(7, 10000.0)

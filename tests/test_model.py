@@ -1,0 +1,298 @@
+"""The full model against transformers on three tiny configs, the MTP block against a reference
+built from transformers' components, the scan / unrolled paths, and the full-size shapes."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from hf_reference import (
+    C,
+    H,
+    S,
+    abstract,
+    hf_config,
+    load_component,
+    our_model,
+    random_fill,
+    randomize,
+    reference_logits,
+    reference_model,
+    tiny_config,
+    to_numpy,
+    to_torch,
+    window_mask,
+)
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+import equinox_dsv4 as ed
+from equinox_dsv4._model import _check_ids
+
+# Together: hc_mult 4 and 2; YaRN and plain compress rope; hash layers followed by learned ones;
+# lengths that are not multiples of the ratios, shorter than one block, and with more visible
+# CSA blocks than index_topk; batch 1 and 2; a scanned (HCA, CSA) period and a scanned run of
+# one kind.
+CONFIGS = {
+    # 9 layers, Flash pattern: S S C | (H C) x 3, first three hash-routed.
+    "flash_like": tiny_config(),
+    # 7 layers, Pro pattern: H H C H C H C, two hash layers, hc_mult 2, no YaRN, ratio 16.
+    "pro_like": tiny_config(
+        layer_types=(H, H, C, H, C, H, C),
+        num_hash_layers=2,
+        hc_mult=2,
+        rope_scaling=None,
+        compress_rate_hca=16,
+        sliding_window=16,
+        num_attention_heads=8,
+        o_groups=4,
+        index_topk=4,
+        scan_min_repeats=2,
+    ),
+    # S | C x 4 | H: a period-1 scan, wider heads, three experts per token, active clamps.
+    "wide_heads": tiny_config(
+        layer_types=(S, C, C, C, C, H),
+        num_hash_layers=1,
+        head_dim=64,
+        qk_rope_head_dim=16,
+        index_head_dim=32,
+        sliding_window=4,
+        index_topk=2,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        swiglu_limit=1.0,
+        rope_scaling=ed.YarnScaling(factor=8.0, original_max_position_embeddings=16),
+    ),
+}
+CASES = [
+    ("flash_like", 2, 37),
+    ("flash_like", 1, 5),
+    ("flash_like", 2, 3),
+    ("pro_like", 2, 70),
+    ("pro_like", 1, 9),
+    ("wide_heads", 2, 29),
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            reference = reference_model(CONFIGS[name], seed=len(cache) + 1)
+            cache[name] = reference, our_model(CONFIGS[name], reference)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name,batch,seq", CASES)
+def test_logits_match_reference(models, name, batch, seq):
+    reference, ours = models(name)
+    ids = np.random.default_rng(seq).integers(0, ours.config.vocab_size, (batch, seq))
+    expected = reference_logits(reference, ids)
+    logits = eqx.filter_jit(ours)(jnp.asarray(ids, jnp.int32))
+    assert logits.dtype == jnp.float32 and logits.shape == (batch, seq, ours.config.vocab_size)
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_plans_of_the_test_configs():
+    plans = {name: ed.LayerPlan.from_config(cfg) for name, cfg in CONFIGS.items()}
+    assert [s.repeats for s in plans["flash_like"].segments] == [1, 1, 1, 3]
+    assert plans["flash_like"].segments[-1].period == ((H, ed.MOE), (C, ed.MOE))
+    assert [s.repeats for s in plans["pro_like"].segments] == [2, 1, 2]
+    assert [(s.start, s.repeats, len(s.period)) for s in plans["wide_heads"].segments] == [
+        (0, 1, 1),
+        (1, 4, 1),
+        (5, 1, 1),
+    ]
+
+
+def test_scan_and_unrolled_give_identical_logits(models):
+    _, scanned = models("flash_like")
+    unrolled_config = dataclasses.replace(scanned.config, scan_layers=False)
+    skeleton = eqx.filter_eval_shape(ed.DeepseekV4, unrolled_config, key=jax.random.key(0))
+    # Same weights, different static config.
+    unrolled = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(scanned))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
+    a = eqx.filter_jit(scanned)(ids)
+    b = eqx.filter_jit(unrolled)(ids)
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_layer_weights_do_not_depend_on_the_plan():
+    config = tiny_config(layer_types=(S, C, H, C, H), num_hash_layers=1, num_nextn_predict_layers=0)
+    scanned = ed.DeepseekV4(dataclasses.replace(config, scan_min_repeats=2), key=jax.random.key(3))
+    flat = ed.DeepseekV4(config, key=jax.random.key(3))
+    assert scanned.layers[1].repeats == 2
+    assert all(not s.scanned for s in flat.plan.segments)
+    np.testing.assert_array_equal(
+        scanned.layers[1].blocks[0].attn.wq_a.weight[1], flat.layers[3].attn.wq_a.weight
+    )
+
+
+def _top_level_scan_lengths(config):
+    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0))
+    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    jaxpr = eqx.filter_make_jaxpr(lambda m, i: m(i))(model, ids)[0]
+    return [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def flash_shaped_tiny():
+    """V4-Flash's 43-layer schedule with tiny widths."""
+    flash = ed.Config.v4_flash()
+    return dataclasses.replace(
+        tiny_config(layer_types=flash.layer_types, num_hash_layers=3),
+        num_nextn_predict_layers=0,
+    )
+
+
+def test_flash_plan_is_three_unrolled_then_one_scan_of_twenty():
+    for config in (ed.Config.v4_flash(), flash_shaped_tiny()):
+        plan = ed.LayerPlan.from_config(config)
+        assert [(s.start, s.repeats, s.period) for s in plan.segments] == [
+            (0, 1, ((S, ed.HASH_MOE),)),
+            (1, 1, ((S, ed.HASH_MOE),)),
+            (2, 1, ((C, ed.HASH_MOE),)),
+            (3, 20, ((H, ed.MOE), (C, ed.MOE))),
+        ]
+    # In the program: one scan of length 20 over the layers (the other scans are the expert
+    # dispatch loops inside the three unrolled layers), and none when scan_layers is off.
+    lengths = _top_level_scan_lengths(flash_shaped_tiny())
+    assert lengths.count(20) == 1
+    unrolled = dataclasses.replace(flash_shaped_tiny(), scan_layers=False)
+    assert 20 not in _top_level_scan_lengths(unrolled)
+
+
+def test_pro_plan():
+    plan = ed.LayerPlan.from_config(ed.Config.v4_pro())
+    assert [(s.start, s.repeats, s.period) for s in plan.segments] == [
+        (0, 1, ((H, ed.HASH_MOE),)),
+        (1, 1, ((H, ed.HASH_MOE),)),
+        (2, 1, ((C, ed.HASH_MOE),)),
+        (3, 29, ((H, ed.MOE), (C, ed.MOE))),
+    ]
+
+
+def _parameter_count(model) -> int:
+    # transformers counts parameters, not buffers: tid2eid and the router bias are buffers.
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        key = jax.tree_util.keystr(path)
+        assert isinstance(leaf, jax.ShapeDtypeStruct), f"{key} was allocated"
+        if key.startswith(".mtp") or key.endswith("gate.bias"):
+            continue
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            total += int(np.prod(leaf.shape))
+    return total
+
+
+@pytest.mark.parametrize("preset,billions", [("v4_flash", 284.33), ("v4_pro", 1573.00)])
+def test_full_size_parameter_count_matches_transformers(preset, billions):
+    config = getattr(ed.Config, preset)()
+    ours = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=jnp.bfloat16)
+    with torch.device("meta"):
+        reference = transformers.DeepseekV4ForCausalLM(hf_config(config))
+    expected = sum(p.numel() for p in reference.parameters())
+    assert _parameter_count(ours) == expected
+    assert round(expected / 1e9, 2) == billions
+    assert len(ours.mtp) == 1
+
+
+def test_mtp_matches_reference_composition(getkey):
+    """The MTP block per the official `MTPBlock.forward`, assembled from transformers' modules."""
+    config = tiny_config()
+    mtp_cfg = hf_config(
+        dataclasses.replace(
+            config, num_hidden_layers=1, layer_types=(S,), mlp_layer_types=(ed.MOE,)
+        )
+    )
+    d = config.hidden_size
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleDict(
+        dict(
+            embed=torch.nn.Embedding(config.vocab_size, d),
+            enorm=hf.DeepseekV4RMSNorm(d),
+            hnorm=hf.DeepseekV4RMSNorm(d),
+            norm=hf.DeepseekV4RMSNorm(d),
+            e_proj=torch.nn.Linear(d, d, bias=False),
+            h_proj=torch.nn.Linear(d, d, bias=False),
+            block=hf.DeepseekV4DecoderLayer(mtp_cfg, 0),
+            hc_head=hf.DeepseekV4HyperHead(mtp_cfg),
+            head=torch.nn.Linear(d, config.vocab_size, bias=False),
+        )
+    )
+    randomize(ref, seed=7)
+
+    model = random_fill(abstract(ed.DeepseekV4, config), 0)
+    w = {name: jnp.asarray(to_numpy(p)) for name, p in ref.named_parameters()}
+    mtp = model.mtp[0]
+    block = load_component(mtp.block, ref["block"], "model.layers.0.", "")
+    mtp = eqx.tree_at(
+        lambda m: (m.block, m.e_proj.weight, m.h_proj.weight, m.enorm.weight, m.hnorm.weight),
+        mtp,
+        (block, w["e_proj.weight"], w["h_proj.weight"], w["enorm.weight"], w["hnorm.weight"]),
+    )
+    mtp = eqx.tree_at(
+        lambda m: (m.norm.weight, m.hc_head.fn, m.hc_head.base, m.hc_head.scale),
+        mtp,
+        (w["norm.weight"], w["hc_head.hc_fn"], w["hc_head.hc_base"], w["hc_head.hc_scale"]),
+    )
+    model = eqx.tree_at(
+        lambda m: (m.mtp, m.embed.weight, m.head.weight),
+        model,
+        ((mtp,), w["embed.weight"], w["head.weight"]),
+    )
+
+    b, s = 2, 19
+    streams = jax.random.normal(getkey(), (b, s, config.hc_mult, d))
+    next_ids = jax.random.randint(getkey(), (b, s), 0, config.vocab_size)
+    out = eqx.filter_jit(lambda m, x, i: m.mtp_logits(x, i))(model, streams, next_ids)
+
+    rotary = hf.DeepseekV4RotaryEmbedding(mtp_cfg)
+    ids_t = to_torch(next_ids).long()
+    with torch.no_grad():
+        e = ref["e_proj"](ref["enorm"](ref["embed"](ids_t)))
+        x = e.unsqueeze(2) + ref["h_proj"](ref["hnorm"](to_torch(streams)))
+        positions = torch.arange(s).expand(b, s)
+        x = ref["block"](
+            x,
+            input_ids=ids_t,
+            position_embeddings={
+                label: rotary(x, positions, layer_type=label) for label in ("main", "compress")
+            },
+            position_ids=positions,
+            attention_mask=window_mask(s, config.sliding_window, b),
+        )
+        expected = ref["head"](ref["norm"](ref["hc_head"](x)))
+    np.testing.assert_allclose(out, to_numpy(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_runs():
+    config = tiny_config()
+    model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 0)
+    assert model.layers[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    assert model.layers[0].attn.attn_sink.dtype == jnp.float32
+    logits = eqx.filter_jit(model)(jnp.zeros((1, 11), jnp.int32))
+    assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+
+
+def test_bad_inputs_are_rejected():
+    model = random_fill(abstract(ed.DeepseekV4, tiny_config()), 0)
+    # Under the test suite's runtime type checker the annotations reject these first
+    # (TypeError); without it the model's own check raises ValueError.
+    for bad in (jnp.zeros((3,), jnp.int32), jnp.zeros((1, 3), jnp.float32)):
+        with pytest.raises((ValueError, TypeError)):
+            model(bad)
+    with pytest.raises(ValueError, match="integer array"):
+        _check_ids(jnp.zeros((1, 3), jnp.float32))
+    with pytest.raises(ValueError, match="integer array"):
+        _check_ids(jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="empty"):
+        model(jnp.zeros((1, 0), jnp.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        abstract(ed.DeepseekV4, tiny_config(), dtype=jnp.float16)

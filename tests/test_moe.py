@@ -1,0 +1,124 @@
+"""MoE: routers (hash, learned with bias, three scoring functions), clamped SwiGLU experts with
+the sorted block dispatch, the shared expert."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import (
+    abstract,
+    hf_config,
+    load_component,
+    random_fill,
+    randomize,
+    tiny_config,
+    to_numpy,
+    to_torch,
+)
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+import equinox_dsv4 as ed
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+SCORE_FNS = {"softmax": torch.nn.Softmax(dim=-1), "sigmoid": torch.nn.Sigmoid()}
+
+
+@pytest.mark.parametrize("layer", [0, 3])  # hash-routed, learned
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax", "sigmoid"])
+def test_moe_matches_reference(getkey, layer, scoring):
+    # swiglu_limit 0.5 so that both clamps are active on random activations.
+    config = tiny_config(scoring_func=scoring, swiglu_limit=0.5)
+    # transformers 5.24 can only build "sqrtsoftplus" (its activation table has no "softmax");
+    # the other scoring functions are patched into its router.
+    hf_cfg = hf_config(dataclasses.replace(config, scoring_func="sqrtsoftplus"))
+    reference = randomize(hf.DeepseekV4SparseMoeBlock(hf_cfg, layer), seed=layer)
+    if scoring in SCORE_FNS:
+        reference.gate.score_fn = SCORE_FNS[scoring]
+    ours = load_component(
+        abstract(ed.MoE, config, config.mlp_layer_types[layer]),
+        reference,
+        f"model.layers.{layer}.mlp.",
+        ".ffn",
+    )
+    x = jax.random.normal(getkey(), (2, 13, config.hidden_size))
+    ids = jax.random.randint(getkey(), (2, 13), 0, config.vocab_size)
+    with torch.no_grad():
+        expected = reference(to_torch(x), to_torch(ids).long())
+    np.testing.assert_allclose(eqx.filter_jit(ours)(x, ids), to_numpy(expected), **TOL)
+
+
+def test_router_selects_with_bias_but_weights_without(getkey):
+    config = tiny_config(n_routed_experts=4, num_experts_per_tok=1, routed_scaling_factor=1.0)
+    gate = random_fill(abstract(ed.Gate, config, False), 1)
+    x = jax.random.normal(getkey(), (5, config.hidden_size))
+    scores = np.sqrt(np.log1p(np.exp(np.asarray(x @ gate.weight.T))))
+    # A large bias on expert 2 forces its selection; the weight is still its unbiased score,
+    # renormalised over one expert -> 1.
+    gate = eqx.tree_at(lambda g: g.bias, gate, jnp.array([0.0, 0.0, 100.0, 0.0]))
+    weights, indices = gate(x, jnp.zeros((5,), jnp.int32))
+    np.testing.assert_array_equal(indices[:, 0], 2)
+    np.testing.assert_allclose(weights[:, 0], 1.0, rtol=1e-6)
+    # Without renormalisation the weight is the raw score.
+    config = tiny_config(
+        n_routed_experts=4, num_experts_per_tok=1, routed_scaling_factor=2.0, norm_topk_prob=False
+    )
+    gate2 = eqx.tree_at(
+        lambda g: g.bias, random_fill(abstract(ed.Gate, config, False), 2), gate.bias
+    )
+    gate2 = eqx.tree_at(lambda g: g.weight, gate2, gate.weight)
+    weights, _ = gate2(x, jnp.zeros((5,), jnp.int32))
+    np.testing.assert_allclose(weights[:, 0], 2.0 * scores[:, 2], rtol=1e-5)
+
+
+def test_hash_router_uses_token_ids(getkey):
+    config = tiny_config()
+    gate = random_fill(abstract(ed.Gate, config, True), 3)
+    ids = jnp.array([5, 5, 17], jnp.int32)
+    _, indices = gate(jax.random.normal(getkey(), (3, config.hidden_size)), ids)
+    np.testing.assert_array_equal(indices, gate.tid2eid[ids])
+
+
+def _dense_reference(experts, x, indices, weights, limit):
+    # Every (token, slot) through its expert, in float64 numpy.
+    w1, w2, w3 = (np.asarray(w, np.float64) for w in (experts.w1, experts.w2, experts.w3))
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(indices.shape[1]):
+            e = int(indices[t, j])
+            g, u = w1[e] @ x[t], w3[e] @ x[t]
+            if limit > 0:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            out[t] += float(weights[t, j]) * (w2[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens,experts,top_k", [(1, 16, 4), (5, 3, 2), (7, 8, 1), (300, 4, 2), (64, 64, 6)]
+)
+def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
+    config = tiny_config(n_routed_experts=experts, num_experts_per_tok=top_k, swiglu_limit=0.7)
+    layer = random_fill(abstract(ed.Experts, config), 4)
+    layer = jax.tree.map(lambda w: w * 5, layer)  # large enough for the clamp to bite
+    x = jax.random.normal(getkey(), (tokens, config.hidden_size))
+    indices = jax.vmap(lambda k: jax.random.permutation(k, experts)[:top_k])(
+        jax.random.split(getkey(), tokens)
+    ).astype(jnp.int32)
+    weights = jax.random.uniform(getkey(), (tokens, top_k))
+    out = eqx.filter_jit(layer)(x, indices, weights)
+    expected = _dense_reference(layer, x, indices, weights, 0.7)
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)  # float32 vs float64 sums
+
+
+def test_all_tokens_on_one_expert(getkey):
+    config = tiny_config(n_routed_experts=8, num_experts_per_tok=1)
+    layer = random_fill(abstract(ed.Experts, config), 5)
+    x = jax.random.normal(getkey(), (50, config.hidden_size))
+    indices = jnp.full((50, 1), 5, jnp.int32)
+    weights = jnp.ones((50, 1))
+    expected = _dense_reference(layer, x, indices, weights, config.swiglu_limit)
+    np.testing.assert_allclose(layer(x, indices, weights), expected, atol=1e-5, rtol=1e-4)
