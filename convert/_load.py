@@ -35,6 +35,7 @@ def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> Dee
     buffers: dict[int, np.ndarray] = {}
     covered: dict[int, np.ndarray] = {}
     problems: list[str] = []
+    rejected: set[int] = set()  # leaves with a reported bad write: not also reported missing
     for name, array in tensors:
         target = canonical_to_path(name, skeleton.plan)
         if target is None or target[0] not in slot:
@@ -44,15 +45,16 @@ def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> Dee
         i = slot[path]
         leaf = leaves[i][1]
         expected = tuple(leaf.shape[len(index) :])
+        problem = None
         if any(not 0 <= j < n for j, n in zip(index, leaf.shape, strict=False)):
-            problems.append(f"{name!r}: index {index} out of range for {path} {list(leaf.shape)}")
-            continue
-        if tuple(array.shape) != expected:
-            problems.append(f"{name!r}: expected shape {list(expected)}, found {list(array.shape)}")
-            continue
-        want_int = jnp.issubdtype(leaf.dtype, jnp.integer)
-        if want_int != np.issubdtype(array.dtype, np.integer):
-            problems.append(f"{name!r}: expected dtype {leaf.dtype}, found {array.dtype}")
+            problem = f"index {index} out of range for {path} {list(leaf.shape)}"
+        elif tuple(array.shape) != expected:
+            problem = f"expected shape {list(expected)}, found {list(array.shape)}"
+        elif jnp.issubdtype(leaf.dtype, jnp.integer) != np.issubdtype(array.dtype, np.integer):
+            problem = f"expected dtype {leaf.dtype}, found {array.dtype}"
+        if problem is not None:
+            problems.append(f"{name!r}: {problem}")
+            rejected.add(i)
             continue
         cover = covered.setdefault(i, np.zeros(leaf.shape[:2], bool))
         if cover[index].any():
@@ -65,7 +67,7 @@ def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> Dee
         buffer[index] = np.asarray(array).astype(buffer.dtype)
     for i, (path, leaf) in enumerate(leaves):
         cover = covered.get(i)
-        if cover is None or not cover.all():
+        if i not in rejected and (cover is None or not cover.all()):
             problems.append(f"missing tensor for {jax.tree_util.keystr(path)} {list(leaf.shape)}")
     if problems:
         raise CheckpointError(problems)

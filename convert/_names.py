@@ -18,6 +18,7 @@ import numpy as np
 
 from equinox_dsv4 import LayerPlan
 
+
 Transform = Callable[[np.ndarray], np.ndarray]
 
 

@@ -24,4 +24,5 @@ from ._moe import Experts as Experts, Gate as Gate, MoE as MoE, SharedExpert as 
 from ._plan import LayerPlan as LayerPlan, Segment as Segment
 from ._rope import RoPE as RoPE
 
+
 __version__ = "0.1.0"

@@ -3,7 +3,11 @@
 import dataclasses
 import json
 import os
-from typing import Any, Literal
+import pathlib
+from typing import Any
+
+
+_CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -108,7 +112,7 @@ class Config:
     num_experts_per_tok: int
     n_shared_experts: int = 1
     moe_intermediate_size: int
-    scoring_func: Literal["sqrtsoftplus", "softmax", "sigmoid"] = "sqrtsoftplus"
+    scoring_func: str = "sqrtsoftplus"  # "sqrtsoftplus", "softmax" or "sigmoid"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     swiglu_limit: float = 10.0
@@ -239,6 +243,12 @@ class Config:
     def v4_pro(cls, **overrides: Any) -> "Config":
         """DeepSeek-V4-Pro (1.6T total, 49B active), as released."""
         return cls.from_hf(_released_config(**_PRO), **overrides)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "Config":
+        """The embedded default: V4-Flash's layer pattern at toy width (9 layers, hidden 64, the
+        real 129280-token vocabulary), from `equinox_dsv4/configs/tiny.json`."""
+        return cls.from_json(_CONFIG_DIR / "tiny.json", **overrides)
 
     # --- readers / writers
 

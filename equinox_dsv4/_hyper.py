@@ -9,11 +9,10 @@ back to every stream, while the streams themselves are mixed by a doubly-stochas
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._config import Config
-from ._layers import INIT_STD, f32, lead, rms_normalize
+from ._layers import f32, init_normal, lead, rms_normalize
 
 
 def _stream_mixes(
@@ -59,7 +58,7 @@ class HyperConnection(eqx.Module):
     def __init__(self, config: Config, *, key: PRNGKeyArray):
         n = config.hc_mult
         mix = (2 + n) * n
-        self.fn = INIT_STD * jr.normal(key, (mix, n * config.hidden_size), jnp.float32)
+        self.fn = init_normal(key, (mix, n * config.hidden_size), jnp.float32)
         self.base = jnp.zeros((mix,), jnp.float32)
         self.scale = jnp.ones((3,), jnp.float32)
         self.hc_mult = n
@@ -120,7 +119,7 @@ class HyperHead(eqx.Module):
 
     def __init__(self, config: Config, *, key: PRNGKeyArray):
         n = config.hc_mult
-        self.fn = INIT_STD * jr.normal(key, (n, n * config.hidden_size), jnp.float32)
+        self.fn = init_normal(key, (n, n * config.hidden_size), jnp.float32)
         self.base = jnp.zeros((n,), jnp.float32)
         self.scale = jnp.ones((1,), jnp.float32)
         self.hc_eps = config.hc_eps

@@ -4,6 +4,9 @@ They act on the last axis under any leading axes, unlike `eqx.nn`'s per-example 
 every model-level module here carries an explicit batch axis.
 """
 
+import functools
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,9 +14,24 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
 # checkpoint; this only gives tiny random models sensible activations.
 INIT_STD = 0.02
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _flat_normal(key: PRNGKeyArray, n: int) -> Array:
+    return jr.normal(key, (n,))
+
+
+def init_normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: DTypeLike) -> Array:
+    """`INIT_STD * N(0, 1)` of `shape`: the first `prod(shape)` entries of a power-of-two-sized
+    draw, so that eager initialisation compiles one sampler per size class instead of one per
+    weight shape (which dominates the build time of small models on CPU)."""
+    n = math.prod(shape)
+    draw = _flat_normal(key, 1 << max(0, (n - 1).bit_length()))
+    return (INIT_STD * draw[:n].reshape(shape)).astype(dtype)
 
 
 def f32(x: Array) -> Array:
@@ -69,7 +87,7 @@ class Linear(eqx.Module):
         - `key`: PRNG key for the normal initialiser.
         - `dtype`: parameter dtype.
         """
-        self.weight = (INIT_STD * jr.normal(key, (out_features, in_features))).astype(dtype)
+        self.weight = init_normal(key, (out_features, in_features), dtype)
 
     def __call__(
         self, x: Float[Array, "*batch in"], *, dtype: DTypeLike | None = None
@@ -94,7 +112,7 @@ class Embedding(eqx.Module):
     def __init__(
         self, vocab_size: int, dim: int, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ):
-        self.weight = (INIT_STD * jr.normal(key, (vocab_size, dim))).astype(dtype)
+        self.weight = init_normal(key, (vocab_size, dim), dtype)
 
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch d_model"]:
         return jnp.take(self.weight, ids, axis=0)

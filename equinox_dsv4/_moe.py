@@ -21,7 +21,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._layers import INIT_STD, Linear, f32, lead, linear
+from ._layers import Linear, f32, init_normal, lead, linear
 
 
 def swiglu(
@@ -60,7 +60,7 @@ class Gate(eqx.Module):
     ):
         w_key, t_key = jr.split(key)
         e = config.n_routed_experts
-        self.weight = (INIT_STD * jr.normal(w_key, (e, config.hidden_size))).astype(dtype)
+        self.weight = init_normal(w_key, (e, config.hidden_size), dtype)
         if hashed:
             self.bias = None
             self.tid2eid = jax.vmap(lambda k: jr.permutation(k, e)[: config.num_experts_per_tok])(
@@ -105,9 +105,9 @@ class Experts(eqx.Module):
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jr.split(key, 3)
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.w1 = (INIT_STD * jr.normal(k1, (e, i, d))).astype(dtype)
-        self.w2 = (INIT_STD * jr.normal(k2, (e, d, i))).astype(dtype)
-        self.w3 = (INIT_STD * jr.normal(k3, (e, i, d))).astype(dtype)
+        self.w1 = init_normal(k1, (e, i, d), dtype)
+        self.w2 = init_normal(k2, (e, d, i), dtype)
+        self.w3 = init_normal(k3, (e, i, d), dtype)
         self.limit = config.swiglu_limit
 
     def __call__(

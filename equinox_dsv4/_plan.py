@@ -16,6 +16,7 @@ import functools
 
 from ._config import Config
 
+
 Kind = tuple[str, str]  # (layer_type, mlp_type)
 
 

@@ -1,5 +1,6 @@
 import os
 
+
 # Eight simulated CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -7,6 +8,7 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -16,6 +16,7 @@ import equinox_dsv4 as ed
 from convert import fill, hf_to_canonical
 from convert._names import block_path
 
+
 S, C, H = ed.SLIDING, ed.CSA, ed.HCA
 
 

@@ -20,6 +20,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 # 3: shorter than one block; 13, 37: not multiples of the ratios; 37 with index_topk 3 leaves
 # more visible CSA blocks than the indexer keeps.

@@ -22,6 +22,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 import equinox_dsv4 as ed
 from equinox_dsv4._hyper import sinkhorn
 
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

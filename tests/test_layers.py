@@ -14,6 +14,7 @@ import equinox_dsv4 as ed
 from equinox_dsv4._layers import rms_normalize
 from equinox_dsv4._rope import inverse_frequencies
 
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 

@@ -32,6 +32,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 import equinox_dsv4 as ed
 from equinox_dsv4._model import _check_ids
 
+
 # Together: hc_mult 4 and 2; YaRN and plain compress rope; hash layers followed by learned ones;
 # lengths that are not multiples of the ratios, shorter than one block, and with more visible
 # CSA blocks than index_topk; batch 1 and 2; a scanned (HCA, CSA) period and a scanned run of

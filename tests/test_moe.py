@@ -23,6 +23,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 
+
 TOL = dict(atol=1e-5, rtol=1e-5)
 SCORE_FNS = {"softmax": torch.nn.Softmax(dim=-1), "sigmoid": torch.nn.Sigmoid()}
 
