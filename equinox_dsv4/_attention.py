@@ -22,7 +22,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ._compressor import CSACompressor, HCACompressor
 from ._config import CSA, HCA, SLIDING, Config
 from ._indexer import LightningIndexer, visible_blocks
-from ._layers import Linear, RMSNorm, f32, lead, rms_normalize
+from ._layers import Linear, RMSNorm, einsum_f32, f32, lead, rms_normalize
 from ._rope import RoPE
 
 
@@ -61,33 +61,24 @@ def attend(
     keys = jnp.concatenate([prev, cur], axis=2)  # [b, n, 2w, k]
     scale = k**-0.5
 
-    logits = jnp.einsum("bnqhk,bntk->bnhqt", qb, keys, preferred_element_type=jnp.float32)
+    logits = einsum_f32("bnqhk,bntk->bnhqt", qb, keys)
     mask = jnp.asarray(_window_mask(nb, w))[None, :, None]
     logits = jnp.where(mask, logits * scale, -jnp.inf)
     sink = lead(f32(sinks)[:, None], 4)  # [1, 1, h, 1]
     top = jnp.maximum(jnp.max(logits, axis=-1), sink)
     if compressed is not None and compressed.shape[1] > 0:
         assert compressed_mask is not None
-        c_logits = jnp.einsum(
-            "bnqhk,bmk->bnhqm", qb, compressed, preferred_element_type=jnp.float32
-        )
+        c_logits = einsum_f32("bnqhk,bmk->bnhqm", qb, compressed)
         c_mask = jnp.pad(compressed_mask, pad + ((0, 0),)).reshape(b, nb, 1, w, -1)
         c_logits = jnp.where(c_mask, c_logits * scale, -jnp.inf)
         top = jnp.maximum(top, jnp.max(c_logits, axis=-1))
     probs = jnp.exp(logits - top[..., None])
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - top)
-    out = jnp.einsum(
-        "bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys, preferred_element_type=jnp.float32
-    )
+    out = einsum_f32("bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys)
     if compressed is not None and compressed.shape[1] > 0:
         c_probs = jnp.exp(c_logits - top[..., None])
         denom = denom + jnp.sum(c_probs, axis=-1)
-        out = out + jnp.einsum(
-            "bnhqm,bmk->bnqhk",
-            c_probs.astype(kv.dtype),
-            compressed,
-            preferred_element_type=jnp.float32,
-        )
+        out = out + einsum_f32("bnhqm,bmk->bnqhk", c_probs.astype(kv.dtype), compressed)
     out = out / jnp.transpose(denom, (0, 1, 3, 2))[..., None]
     return out.reshape(b, nb * w, h, k)[:, :s].astype(q.dtype)
 

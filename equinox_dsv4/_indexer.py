@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._compressor import CSACompressor
 from ._config import Config
-from ._layers import Linear
+from ._layers import Linear, einsum_f32
 from ._rope import RoPE
 
 
@@ -61,7 +61,7 @@ class LightningIndexer(eqx.Module):
         b, s, _ = x.shape
         q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
         q = self.rope(q, positions)
-        logits = jnp.einsum("bshk,bnk->bshn", q, keys, preferred_element_type=jnp.float32)
+        logits = einsum_f32("bshk,bnk->bshn", q, keys)
         scale = (self.head_dim * self.n_heads) ** -0.5
         w = self.weights_proj(x, dtype=jnp.float32) * scale
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)

@@ -56,6 +56,18 @@ def rms_normalize(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*b
     return _normalized(x, eps).astype(x.dtype)
 
 
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """`jnp.einsum(spec, a, b)` accumulated in and returned as float32.
+
+    With bfloat16 operands this equals the float32 product of the upcast operands (bf16
+    products are exact in float32). XLA:CPU lacks a bf16 x bf16 -> f32 dot for some layouts
+    ("Unsupported element type for DotThunk"), so there the operands are upcast first.
+    """
+    if min(a.dtype.itemsize, b.dtype.itemsize) < 4 and jax.default_backend() == "cpu":
+        a, b = f32(a), f32(b)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def linear(
     x: Float[Array, "*batch in"], weight: Float[Array, "out in"], *, dtype: DTypeLike | None = None
 ) -> Float[Array, "*batch out"]:
@@ -64,6 +76,8 @@ def linear(
         # Explicit widening (strict dtype promotion has no bf16/f32 lattice).
         common = max(x.dtype, weight.dtype, key=lambda t: t.itemsize)
         x, weight = x.astype(common), weight.astype(common)
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        return einsum_f32("...i,oi->...o", x, weight)
     out_dtype = x.dtype if dtype is None else dtype
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
 

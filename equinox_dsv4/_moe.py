@@ -21,7 +21,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._layers import Linear, f32, init_normal, lead, linear
+from ._layers import Linear, einsum_f32, f32, init_normal, lead, linear
 
 
 def swiglu(
@@ -146,11 +146,11 @@ class Experts(eqx.Module):
 
         def run_block(_, inputs):
             xb, wb, e = inputs
-            g = jnp.einsum("bd,id->bi", xb, self.w1[e], preferred_element_type=jnp.float32)
-            u = jnp.einsum("bd,id->bi", xb, self.w3[e], preferred_element_type=jnp.float32)
+            g = einsum_f32("bd,id->bi", xb, self.w1[e])
+            u = einsum_f32("bd,id->bi", xb, self.w3[e])
             # The routing weight is applied before w2, in float32, as in the official code.
             h = (swiglu(g, u, self.limit) * wb[:, None]).astype(x.dtype)
-            return None, jnp.einsum("bi,di->bd", h, self.w2[e], preferred_element_type=jnp.float32)
+            return None, einsum_f32("bi,di->bd", h, self.w2[e])
 
         _, ys = jax.lax.scan(
             run_block,
