@@ -66,8 +66,9 @@ def attend(
     logits = jnp.where(mask, logits * scale, -jnp.inf)
     sink = lead(f32(sinks)[:, None], 4)  # [1, 1, h, 1]
     top = jnp.maximum(jnp.max(logits, axis=-1), sink)
-    if compressed is not None and compressed.shape[1] > 0:
-        assert compressed_mask is not None
+    use_compressed = compressed is not None and compressed.shape[1] > 0
+    if use_compressed:
+        assert compressed is not None and compressed_mask is not None
         c_logits = einsum_f32("bnqhk,bmk->bnhqm", qb, compressed)
         c_mask = jnp.pad(compressed_mask, pad + ((0, 0),)).reshape(b, nb, 1, w, -1)
         c_logits = jnp.where(c_mask, c_logits * scale, -jnp.inf)
@@ -75,7 +76,7 @@ def attend(
     probs = jnp.exp(logits - top[..., None])
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - top)
     out = einsum_f32("bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys)
-    if compressed is not None and compressed.shape[1] > 0:
+    if use_compressed:
         c_probs = jnp.exp(c_logits - top[..., None])
         denom = denom + jnp.sum(c_probs, axis=-1)
         out = out + einsum_f32("bnhqm,bmk->bnqhk", c_probs.astype(kv.dtype), compressed)

@@ -119,7 +119,9 @@ class HCACompressor(AbstractCompressor):
     def layout(config: Config) -> tuple[int, int]:
         return config.compress_rate_hca, 1
 
-    def slots(self, kv, gate):
+    def slots(
+        self, kv: Float[Array, "batch n ratio width"], gate: Float[Array, "batch n ratio width"]
+    ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
         return kv, gate
 
 
@@ -132,7 +134,9 @@ class CSACompressor(AbstractCompressor):
     def layout(config: Config) -> tuple[int, int]:
         return config.compress_rate_csa, 2
 
-    def slots(self, kv, gate):
+    def slots(
+        self, kv: Float[Array, "batch n ratio width"], gate: Float[Array, "batch n ratio width"]
+    ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
         d = self.head_dim
         shift = ((0, 0), (1, 0), (0, 0), (0, 0))
         prev_kv = jnp.pad(kv[:, :-1, :, :d], shift)
