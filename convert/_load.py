@@ -1,76 +1,314 @@
-"""Filling a model skeleton from named tensors, with every problem collected and raised once."""
+"""Hugging Face DeepSeek-V4 checkpoints -> model (in memory, optionally sharded) or -> disk.
 
-from collections.abc import Iterable
+Both paths first plan every tensor from the headers alone (names, shapes, dtypes, scales) and
+raise one `CheckpointError` listing every problem before reading any data. Then tensors are read
+one at a time: `load_hf` creates each leaf with `jax.make_array_from_callback`, each device
+reading only the tensors its part needs; `convert` streams canonically named pieces into an
+orbax checkpoint (`equinox_dsv4.load` reads it), never holding more than about one shard.
+"""
 
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import resource
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, SingleDeviceSharding
 
-from equinox_dsv4 import DeepseekV4
+import equinox_dsv4 as ed
+from equinox_dsv4._checkpoint import (
+    CheckpointError,
+    PieceWriter,
+    Slot,
+    assign,
+    write_metadata,
+)
 
-from ._names import canonical_to_path
+from ._names import Transform, hf_to_canonical, scale_owner
+from ._quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8, scale_grid
+from ._reader import TensorInfo, list_tensors, read_tensor
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model; `problems` lists each mismatch on its own line."""
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """How to produce one canonical piece: read `weight` (and `scale`), dequantise, transform."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        shown = problems[:50]
-        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
-        super().__init__(f"{len(problems)} checkpoint problem(s):\n  " + "\n  ".join(shown) + more)
+    name: str
+    weight: TensorInfo
+    scale: TensorInfo | None
+    transform: Transform
+    shape: tuple[int, ...]  # after dequantisation and transform
+    is_int: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (self.scale.nbytes if self.scale else 0)
+
+    def read(self, fp8_block: tuple[int, int]) -> np.ndarray:
+        w = read_tensor(self.weight)
+        if self.scale is not None:
+            s = read_tensor(self.scale)
+            w = dequantize_fp4(w, s) if w.dtype == np.int8 else dequantize_fp8(w, s, fp8_block)
+        out = self.transform(w)
+        if not self.is_int and not np.isfinite(out.astype(np.float32)).all():
+            raise CheckpointError(
+                [f"{self.name!r} (from {self.weight.name!r}) has NaN or inf values"]
+            )
+        return out
 
 
-def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> DeepseekV4:
-    """Build the model from `skeleton` (an abstract `eqx.filter_eval_shape` model or a real one)
-    and canonically named tensors (see `convert.hf_to_canonical`).
+def _logical_shape(info: TensorInfo, scale: TensorInfo | None, block, problems) -> tuple | None:
+    """Shape after dequantisation; problems for inconsistent dtypes or scale grids."""
+    kind = info.dtype.name
+    if scale is None:
+        if kind.startswith("float8"):
+            problems.append(f"{info.name!r}: {kind} weight without a scale")
+            return None
+        return info.shape
+    if kind == "int8":
+        shape = (*info.shape[:-1], 2 * info.shape[-1])
+        grid = scale_grid(shape, FP4_BLOCK)
+    elif kind.startswith("float8"):
+        shape, grid = info.shape, scale_grid(info.shape, block)
+    else:
+        problems.append(
+            f"{info.name!r}: has a scale but dtype {kind} (expected F8_E4M3 or packed I8)"
+        )
+        return None
+    if scale.shape != grid:
+        problems.append(
+            f"{scale.name!r}: expected scale shape {list(grid)}, found {list(scale.shape)}"
+        )
+        return None
+    return shape
 
-    Every leaf must be written exactly once (as a whole or slice by slice: one layer of a scanned
-    stack, one expert) with the expected shape; tensors are cast to the leaf's dtype. All problems
-    (unexpected, missing, duplicated, wrong shape or kind) are collected and raised together as a
-    `CheckpointError`; nothing is returned unless the whole model was filled.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
-    slot = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(leaves)}
-    buffers: dict[int, np.ndarray] = {}
-    covered: dict[int, np.ndarray] = {}
+
+@dataclasses.dataclass
+class Plan:
+    """Everything needed to read a checkpoint into a model: the validated sources, where each
+    goes, and the skeleton."""
+
+    config: ed.Config
+    skeleton: ed.DeepseekV4
+    sources: dict[str, Source]
+    slots: dict[str, Slot]
+    tensors_read: int
+    bytes_read: int
+
+
+def plan(
+    hf_dir: str | os.PathLike,
+    *,
+    dtype: Any = jnp.float32,
+    load_mtp: bool = True,
+    layers: int | None = None,
+) -> Plan:
+    """Read config and headers of `hf_dir`, map every tensor and check it against the model:
+    names, shapes, dtypes, scales, the index and the files. Raises `CheckpointError` listing
+    every problem; reads no tensor data."""
+    hf_dir = pathlib.Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} has no config.json")
+    config = ed.Config.from_json(hf_dir / "config.json")
+    if not load_mtp:
+        config = dataclasses.replace(config, num_nextn_predict_layers=0)
+    if layers is not None:
+        if not 0 < layers <= config.num_hidden_layers:
+            raise ValueError(f"--layers must be in 1..{config.num_hidden_layers}, got {layers}")
+        config = dataclasses.replace(
+            config,
+            num_hidden_layers=layers,
+            layer_types=config.layer_types[:layers],
+            mlp_layer_types=config.mlp_layer_types[:layers],
+        )
     problems: list[str] = []
-    rejected: set[int] = set()  # leaves with a reported bad write: not also reported missing
-    for name, array in tensors:
-        target = canonical_to_path(name, skeleton.plan)
-        if target is None or target[0] not in slot:
-            problems.append(f"unexpected tensor {name!r} {list(array.shape)}")
+    tensors = list_tensors(hf_dir, problems)
+    skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    block = config.fp8_block_size or (128, 128)
+    scales = {scale_owner(n): n for n in tensors if scale_owner(n) in tensors}
+    sources: dict[str, Source] = {}
+    for name, info in tensors.items():
+        if name in scales.values():
             continue
-        path, index = target
-        i = slot[path]
-        leaf = leaves[i][1]
-        expected = tuple(leaf.shape[len(index) :])
-        problem = None
-        if any(not 0 <= j < n for j, n in zip(index, leaf.shape, strict=False)):
-            problem = f"index {index} out of range for {path} {list(leaf.shape)}"
-        elif tuple(array.shape) != expected:
-            problem = f"expected shape {list(expected)}, found {list(array.shape)}"
-        elif jnp.issubdtype(leaf.dtype, jnp.integer) != np.issubdtype(array.dtype, np.integer):
-            problem = f"expected dtype {leaf.dtype}, found {array.dtype}"
-        if problem is not None:
-            problems.append(f"{name!r}: {problem}")
-            rejected.add(i)
+        owner = scale_owner(name)
+        if owner is not None and (name.endswith("_scale_inv") or info.dtype.itemsize == 1):
+            problems.append(f"{name!r}: a scale without its weight {owner!r}")
             continue
-        cover = covered.setdefault(i, np.zeros(leaf.shape[:2], bool))
-        if cover[index].any():
-            problems.append(f"{name!r}: {path}{list(index)} written twice")
-            continue
-        cover[index] = True
-        buffer = buffers.get(i)
-        if buffer is None:
-            buffer = buffers[i] = np.empty(leaf.shape, np.dtype(leaf.dtype))
-        buffer[index] = np.asarray(array).astype(buffer.dtype)
-    for i, (path, leaf) in enumerate(leaves):
-        cover = covered.get(i)
-        if i not in rejected and (cover is None or not cover.all()):
-            problems.append(f"missing tensor for {jax.tree_util.keystr(path)} {list(leaf.shape)}")
+        targets = hf_to_canonical(name) or ((name, Transform()),)
+        scale = tensors.get(scales.get(name, ""))
+        for canonical, transform in targets:
+            if _skipped(canonical, load_mtp, layers):
+                continue
+            shape = _logical_shape(info, scale, block, problems)
+            if shape is not None:
+                is_int = bool(np.issubdtype(info.dtype, np.integer)) and scale is None
+                sources[canonical] = Source(
+                    canonical, info, scale, transform, transform.shape(shape), is_int
+                )
+    try:
+        slots = assign(skeleton, ((s.name, s.shape, s.is_int) for s in sources.values()))
+    except CheckpointError as e:
+        problems += e.problems
     if problems:
         raise CheckpointError(problems)
-    return jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(buffers[i]) for i in range(len(leaves))]
-    )
+    read = {t.name: t for s in sources.values() for t in (s.weight, s.scale) if t is not None}
+    return Plan(config, skeleton, sources, slots, len(read), sum(t.nbytes for t in read.values()))
+
+
+def _skipped(canonical: str, load_mtp: bool, layers: int | None) -> bool:
+    if canonical.startswith("mtp."):
+        return not load_mtp
+    if layers is not None and canonical.startswith("layers."):
+        return int(canonical.split(".")[1]) >= layers
+    return False
+
+
+class _PieceCache:
+    """Dequantised pieces, least recently used evicted beyond `capacity` bytes: on a mesh several
+    devices need (parts of) the same piece."""
+
+    def __init__(self, read: Callable[[Source], np.ndarray], capacity: int):
+        self._read, self._capacity = read, capacity
+        self._items: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._bytes = 0
+
+    def get(self, source: Source) -> np.ndarray:
+        if source.name in self._items:
+            self._items.move_to_end(source.name)
+            return self._items[source.name]
+        value = self._read(source)
+        self._items[source.name] = value
+        self._bytes += value.nbytes
+        while self._bytes > self._capacity and len(self._items) > 1:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= old.nbytes
+        return value
+
+
+def load_hf(
+    hf_dir: str | os.PathLike,
+    *,
+    dtype: Any = jnp.float32,
+    mesh: Mesh | None = None,
+    load_mtp: bool = True,
+    rules: ed.ShardingRules | None = None,
+    cache_bytes: int = 2 << 30,
+) -> ed.DeepseekV4:
+    """Load a Hugging Face DeepSeek-V4 checkpoint (official release layout or transformers
+    `save_pretrained` layout) into a model.
+
+    **Arguments:**
+
+    - `hf_dir`: directory with `config.json` and `model.safetensors[.index.json]`.
+    - `dtype`: parameter dtype (`float32` or `bfloat16`); FP8/FP4 weights are dequantised.
+    - `mesh`: when given, each leaf is created with its `NamedSharding` (`rules`), each device
+      reading only what it holds, so a model larger than one device loads sharded.
+    - `load_mtp`: load the MTP block (`mtp.*`); `False` leaves the model without one.
+    - `cache_bytes`: dequantised tensors kept for devices that share them.
+
+    **Returns:** the model. Raises `CheckpointError` (listing every problem) before reading any
+    data if the checkpoint does not match its config.
+    """
+    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp)
+    block = p.config.fp8_block_size or (128, 128)
+    cache = _PieceCache(lambda s: s.read(block), cache_bytes)
+    leaves, treedef = jax.tree_util.tree_flatten(p.skeleton)
+    if mesh is None:
+        shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
+    else:
+        shardings = jax.tree.leaves(ed.named_shardings(p.skeleton, mesh, rules))
+    by_leaf: dict[int, list[Slot]] = collections.defaultdict(list)
+    for slot in p.slots.values():
+        by_leaf[slot.number].append(slot)
+
+    def region(i: int, index: tuple[slice, ...]) -> np.ndarray:
+        leaf = leaves[i]
+        ranges = [range(*s.indices(n)) for s, n in zip(index, leaf.shape, strict=True)]
+        out = np.empty([len(r) for r in ranges], np.dtype(leaf.dtype))
+        for slot in by_leaf[i]:
+            k = len(slot.index)
+            if not all(j in r for j, r in zip(slot.index, ranges, strict=False)):
+                continue
+            value = cache.get(p.sources[slot.name])[tuple(index[k:])]
+            dest = tuple(r.index(j) for j, r in zip(slot.index, ranges, strict=False))
+            out[dest] = value.astype(out.dtype)
+        return out
+
+    arrays = [
+        jax.make_array_from_callback(leaf.shape, shardings[i], lambda idx, i=i: region(i, idx))
+        for i, leaf in enumerate(leaves)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def convert(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: Any = jnp.bfloat16,
+    load_mtp: bool = True,
+    layers: int | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Convert a Hugging Face checkpoint into a saved model at `out_dir` (read it with
+    `equinox_dsv4.load`).
+
+    Validates everything first (`CheckpointError`), then streams tensors in file order, each
+    dequantised, cast and written as one canonical piece. The output is written to a temporary
+    sibling directory and renamed when complete; on any failure nothing is left at `out_dir`.
+
+    **Returns:** a summary: tensors and bytes read, seconds, peak RSS in bytes.
+    """
+    start = time.perf_counter()
+    out_dir = pathlib.Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another path")
+    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, layers=layers)
+    block = p.config.fp8_block_size or (128, 128)
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    bar = _progress(p.bytes_read, p.tensors_read) if progress else None
+    try:
+        tmp.mkdir(parents=True)
+        write_metadata(tmp, p.config, dtype)
+        largest = max((s.weight.file.stat().st_size for s in p.sources.values()), default=0)
+        writer = PieceWriter(tmp, flush_bytes=max(64 << 20, min(largest // 2, 1 << 30)))
+        for source in _file_order(p.sources.values()):
+            slot = p.slots[source.name]
+            writer.add(source.name, source.read(block).astype(np.dtype(slot.dtype)))
+            if bar is not None:
+                bar.update(source.nbytes)
+                bar.set_postfix_str(source.weight.file.name, refresh=False)
+        writer.close()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return {
+        "tensors": p.tensors_read,
+        "bytes": p.bytes_read,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "config": json.loads((out_dir / "config.json").read_text()),
+    }
+
+
+def _file_order(sources) -> Iterator[Source]:
+    return iter(sorted(sources, key=lambda s: (str(s.weight.file), s.weight.start, s.name)))
+
+
+def _progress(total: int, tensors: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {tensors} tensors")

@@ -1,37 +1,43 @@
-"""The name table: checkpoint tensor names -> canonical names -> paths in the model pytree.
+"""The name table: checkpoint tensor names -> canonical names.
 
-Canonical names are the official DeepSeek-V4 release names (flat, no `model.` prefix, e.g.
-`layers.3.attn.wq_a.weight`). Routed experts have two canonical forms: one expert
-(`layers.3.ffn.experts.17.w1.weight`, as released) or the whole stack (`layers.3.ffn.experts.w1`,
-`[experts, inter, d_model]`, as transformers stores it).
-
-Module attributes follow the official names, so a canonical name is mostly its own pytree path;
-the rows below are the exceptions: the mHC parameters (`hc_attn_fn` -> `hc_attn.fn`), the
-expert stacks, the layer index (resolved through the model's `LayerPlan` to an unrolled block or
-a slot of a scanned stack) and the MTP block's inner decoder block.
+Canonical names are the official release names (see `equinox_dsv4._checkpoint`, which maps them
+to pytree paths), so the official layout needs no renaming: its only companions are the `.scale`
+tensors of quantised weights. transformers' in-memory names (its `state_dict`) rename nearly
+everything and stack each layer's routed experts, with `w1` and `w3` concatenated into
+`gate_up_proj`; what its `save_pretrained` writes is close to official again. The tables below
+undo both, one row per tensor kind.
 """
 
+import dataclasses
 import re
-from collections.abc import Callable
 
 import numpy as np
 
-from equinox_dsv4 import LayerPlan
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """What becomes of a source tensor: all of it, or the first or second half of dim 1 (the
+    `gate_up_proj` stack `[experts, 2 * inter, d_model]` holds `w1` then `w3`)."""
+
+    part: str = "all"  # "all", "first_half" or "second_half"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.part == "all":
+            return x
+        half = x.shape[1] // 2
+        return x[:, :half] if self.part == "first_half" else x[:, half:]
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.part == "all":
+            return shape
+        return (shape[0], shape[1] // 2, *shape[2:])
 
 
-Transform = Callable[[np.ndarray], np.ndarray]
-
-
-def _identity(x: np.ndarray) -> np.ndarray:
-    return x
-
-
-def _first_half(x: np.ndarray) -> np.ndarray:
-    return x[:, : x.shape[1] // 2]
-
-
-def _second_half(x: np.ndarray) -> np.ndarray:
-    return x[:, x.shape[1] // 2 :]
+_identity, _first_half, _second_half = (
+    Transform(),
+    Transform("first_half"),
+    Transform("second_half"),
+)
 
 
 # transformers `save_pretrained` names (transformers 5.24) -> canonical names: one row per tensor
@@ -118,60 +124,37 @@ _HF_TABLE: tuple[tuple[str, tuple[tuple[str, Transform], ...]], ...] = (
 _HF_COMPILED = tuple((re.compile(p), targets) for p, targets in _HF_TABLE)
 
 
+# What `save_pretrained` writes (transformers 5.24): it reverses its own load-time renames, so
+# inside the `model.` prefix the names are the official ones, except for keys its anchored
+# patterns miss and the attention's kv_norm, which its `.kv_norm.` <-> `.norm.` rule (meant for
+# the compressors) turns into `attn.norm`.
+_SAVED_TABLE = (
+    (r"model\.embed_tokens\.weight", "embed.weight"),
+    (r"model\.hc_head\.hc_(fn|base|scale)", "hc_head_{0}"),
+    (r"model\.layers\.(\d+)\.attn\.norm\.weight", "layers.{0}.attn.kv_norm.weight"),
+    (r"model\.(.+)", "{0}"),
+)
+_SAVED_COMPILED = tuple((re.compile(p), t) for p, t in _SAVED_TABLE)
+
+
 def hf_to_canonical(name: str) -> tuple[tuple[str, Transform], ...] | None:
     """Canonical names (with the transform that produces each) for a transformers tensor name,
-    or `None` when the name is not part of the model."""
+    in-memory (`state_dict`) or as `save_pretrained` writes it; `None` for any other name
+    (official names are canonical already)."""
     for pattern, targets in _HF_COMPILED:
         if m := pattern.fullmatch(name):
             return tuple((t.format(*m.groups()), f) for t, f in targets)
+    for pattern, template in _SAVED_COMPILED:
+        if m := pattern.fullmatch(name):
+            return ((template.format(*m.groups()), _identity),)
     return None
 
 
-_HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
-_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_EXPERT_STACK = re.compile(r"ffn\.experts\.(w1|w2|w3)")
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
-_HC_HEAD = re.compile(r"hc_head_(fn|base|scale)")
-_GLOBAL = {"embed.weight", "head.weight", "norm.weight"}
-_MTP_OWN = {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight"}
-
-
-def block_path(rest: str) -> tuple[str, tuple[int, ...]]:
-    """Path (relative to a `Block`) and leading index of a canonical per-layer name such as
-    `attn.wq_a.weight`, `hc_attn_fn` or `ffn.experts.7.w1.weight`."""
-    if m := _HC.fullmatch(rest):
-        return f".hc_{m[1]}.{m[2]}", ()
-    if m := _EXPERT.fullmatch(rest):
-        return f".ffn.experts.{m[2]}", (int(m[1]),)
-    if m := _EXPERT_STACK.fullmatch(rest):
-        return f".ffn.experts.{m[1]}", ()
-    return "." + rest, ()
-
-
-def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]] | None:
-    """`(pytree path, leading index)` of a canonical name in a model with this plan: the tensor
-    fills `leaf[index]` of the leaf whose `jax.tree_util.keystr` is `path`. `None` when the name
-    cannot belong to such a model (e.g. a layer beyond the plan)."""
-    if name in _GLOBAL:
-        return "." + name, ()
-    if m := _HC_HEAD.fullmatch(name):
-        return f".hc_head.{m[1]}", ()
-    if m := _LAYER.fullmatch(name):
-        layer = int(m[1])
-        if layer >= plan.num_layers:
-            return None
-        segment, position, repeat = plan.locate(layer)
-        path, index = block_path(m[2])
-        if plan.segments[segment].scanned:
-            return f".layers[{segment}].blocks[{position}]{path}", (repeat, *index)
-        return f".layers[{segment}]{path}", index
-    if m := _MTP.fullmatch(name):
-        depth, rest = int(m[1]), m[2]
-        if rest in _MTP_OWN:
-            return f".mtp[{depth}].{rest}", ()
-        if h := _HC_HEAD.fullmatch(rest):
-            return f".mtp[{depth}].hc_head.{h[1]}", ()
-        path, index = block_path(rest)
-        return f".mtp[{depth}].block{path}", index
+def scale_owner(name: str) -> str | None:
+    """The weight a quantisation scale belongs to: `X.scale` (official) and
+    `X.weight_scale_inv` (transformers' FP8 layout) scale `X.weight`; `None` for other names."""
+    if name.endswith(".weight_scale_inv"):
+        return name[: -len("_scale_inv")]
+    if name.endswith(".scale"):
+        return name[: -len(".scale")] + ".weight"
     return None

@@ -2,6 +2,7 @@
 
 from ._attention import Attention as Attention, attend as attend
 from ._block import Block as Block
+from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._compressor import (
     AbstractCompressor as AbstractCompressor,
     CSACompressor as CSACompressor,
@@ -23,6 +24,12 @@ from ._model import DeepseekV4 as DeepseekV4, LayerStack as LayerStack, MTPBlock
 from ._moe import Experts as Experts, Gate as Gate, MoE as MoE, SharedExpert as SharedExpert
 from ._plan import LayerPlan as LayerPlan, Segment as Segment
 from ._rope import RoPE as RoPE
+from ._sharding import (
+    ShardingRules as ShardingRules,
+    logical_axes as logical_axes,
+    named_shardings as named_shardings,
+    partition_specs as partition_specs,
+)
 
 
 __version__ = "0.1.0"

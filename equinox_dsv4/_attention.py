@@ -124,13 +124,15 @@ class Attention(eqx.Module):
         keys = jr.split(key, 7)
         d, h, k = config.hidden_size, config.num_attention_heads, config.head_dim
         g, o = config.o_groups, config.o_lora_rank
-        self.wq_a = Linear(d, config.q_lora_rank, key=keys[0], dtype=dtype)
+        self.wq_a = Linear(d, config.q_lora_rank, ("q_lora", "embed"), key=keys[0], dtype=dtype)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.wq_b = Linear(config.q_lora_rank, h * k, key=keys[1], dtype=dtype)
-        self.wkv = Linear(d, k, key=keys[2], dtype=dtype)
+        self.wq_b = Linear(
+            config.q_lora_rank, h * k, ("heads_x_dim", "q_lora"), key=keys[1], dtype=dtype
+        )
+        self.wkv = Linear(d, k, ("head_dim", "embed"), key=keys[2], dtype=dtype)
         self.kv_norm = RMSNorm(k, config.rms_norm_eps)
-        self.wo_a = Linear(h * k // g, g * o, key=keys[3], dtype=dtype)
-        self.wo_b = Linear(g * o, d, key=keys[4], dtype=dtype)
+        self.wo_a = Linear(h * k // g, g * o, ("groups_x_rank", None), key=keys[3], dtype=dtype)
+        self.wo_b = Linear(g * o, d, ("embed", "groups_x_rank"), key=keys[4], dtype=dtype)
         self.attn_sink = jnp.zeros((h,), jnp.float32)
         if layer_type == SLIDING:
             self.compressor = None
@@ -150,6 +152,10 @@ class Attention(eqx.Module):
         self.o_groups = g
         self.eps = config.rms_norm_eps
         self.rope = RoPE.for_layer(config, compressed=layer_type != SLIDING)
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        assert name == "attn_sink"
+        return ("heads",)
 
     def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
         """**Arguments:** `x`, the normed block input `[batch, seq, d_model]` at positions

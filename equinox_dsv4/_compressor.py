@@ -63,13 +63,17 @@ class AbstractCompressor(eqx.Module):
         ratio, series = self.layout(config)
         kv_key, gate_key = jr.split(key)
         width = series * head_dim
-        self.wkv = Linear(config.hidden_size, width, key=kv_key, dtype=dtype)
-        self.wgate = Linear(config.hidden_size, width, key=gate_key, dtype=dtype)
+        self.wkv = Linear(config.hidden_size, width, (None, "embed"), key=kv_key, dtype=dtype)
+        self.wgate = Linear(config.hidden_size, width, (None, "embed"), key=gate_key, dtype=dtype)
         self.ape = jnp.zeros((ratio, width), jnp.float32)
         self.norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.ratio = ratio
         self.head_dim = head_dim
         self.rope = RoPE.for_layer(config, compressed=True)
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        assert name == "ape"
+        return (None, None)
 
     @staticmethod
     @abc.abstractmethod

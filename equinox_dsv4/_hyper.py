@@ -66,6 +66,9 @@ class HyperConnection(eqx.Module):
         self.hc_eps = config.hc_eps
         self.norm_eps = config.rms_norm_eps
 
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        return (None,) * (2 if name == "fn" else 1)  # small: replicated
+
     def __call__(
         self, x: Float[Array, "*batch streams d_model"]
     ) -> tuple[
@@ -124,6 +127,9 @@ class HyperHead(eqx.Module):
         self.scale = jnp.ones((1,), jnp.float32)
         self.hc_eps = config.hc_eps
         self.norm_eps = config.rms_norm_eps
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        return (None,) * (2 if name == "fn" else 1)  # small: replicated
 
     def __call__(self, x: Float[Array, "*batch streams d_model"]) -> Float[Array, "*batch d_model"]:
         """**Arguments:** `x`, the streams `[..., hc_mult, d_model]`.

@@ -45,8 +45,16 @@ class LightningIndexer(eqx.Module):
         self.head_dim = config.index_head_dim
         self.topk = config.index_topk
         self.ratio = config.compress_rate_csa
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, key=q_key, dtype=dtype)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads, key=w_key, dtype=dtype)
+        self.wq_b = Linear(
+            config.q_lora_rank,
+            self.n_heads * self.head_dim,
+            (None, "q_lora"),
+            key=q_key,
+            dtype=dtype,
+        )
+        self.weights_proj = Linear(
+            config.hidden_size, self.n_heads, (None, "embed"), key=w_key, dtype=dtype
+        )
         self.compressor = CSACompressor(config, self.head_dim, key=c_key, dtype=dtype)
         self.rope = RoPE.for_layer(config, compressed=True)
 

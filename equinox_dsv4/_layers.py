@@ -86,11 +86,13 @@ class Linear(eqx.Module):
     """`y = x @ weight.T` without bias; `weight` is stored `(out, in)` as in the checkpoints."""
 
     weight: Float[Array, "out in"]
+    axes: tuple[str | None, str | None] = eqx.field(static=True)
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
+        axes: tuple[str | None, str | None] = (None, None),
         *,
         key: PRNGKeyArray,
         dtype: DTypeLike = jnp.float32,
@@ -98,10 +100,17 @@ class Linear(eqx.Module):
         """**Arguments:**
 
         - `in_features`, `out_features`: input and output widths.
+        - `axes`: logical axis names of `weight`'s `(out, in)` dims, which the sharding rules
+          map to mesh axes (`None`: replicated).
         - `key`: PRNG key for the normal initialiser.
         - `dtype`: parameter dtype.
         """
         self.weight = init_normal(key, (out_features, in_features), dtype)
+        self.axes = axes
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        del name
+        return self.axes
 
     def __call__(
         self, x: Float[Array, "*batch in"], *, dtype: DTypeLike | None = None
@@ -128,6 +137,10 @@ class Embedding(eqx.Module):
     ):
         self.weight = init_normal(key, (vocab_size, dim), dtype)
 
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        del name
+        return ("vocab", "embed")
+
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch d_model"]:
         return jnp.take(self.weight, ids, axis=0)
 
@@ -145,6 +158,10 @@ class RMSNorm(eqx.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         self.weight = jnp.ones((dim,), jnp.float32)
         self.eps = eps
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        del name
+        return (None,)  # small: replicated
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         y = _normalized(x, self.eps)

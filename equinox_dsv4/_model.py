@@ -82,8 +82,8 @@ class MTPBlock(eqx.Module):
         b_key, e_key, h_key, hc_key = jr.split(key, 4)
         d, eps = config.hidden_size, config.rms_norm_eps
         self.block = Block(config, SLIDING, MOE, key=b_key, dtype=dtype)
-        self.e_proj = Linear(d, d, key=e_key, dtype=dtype)
-        self.h_proj = Linear(d, d, key=h_key, dtype=dtype)
+        self.e_proj = Linear(d, d, ("embed_out", "embed"), key=e_key, dtype=dtype)
+        self.h_proj = Linear(d, d, ("embed_out", "embed"), key=h_key, dtype=dtype)
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.norm = RMSNorm(d, eps)
@@ -158,7 +158,9 @@ class DeepseekV4(eqx.Module):
         self.layers = tuple(layers)
         self.hc_head = HyperHead(config, key=hc_key)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = Linear(config.hidden_size, config.vocab_size, key=h_key, dtype=dtype)
+        self.head = Linear(
+            config.hidden_size, config.vocab_size, ("vocab", "embed"), key=h_key, dtype=dtype
+        )
         self.mtp = tuple(
             MTPBlock(config, key=k, dtype=dtype)
             for k in jr.split(mtp_key, config.num_nextn_predict_layers)

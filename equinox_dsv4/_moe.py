@@ -74,6 +74,10 @@ class Gate(eqx.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
 
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        # The router is small and every token needs every expert's score: replicated.
+        return {"weight": (None, "embed"), "bias": (None,), "tid2eid": (None, None)}[name]
+
     def __call__(
         self, x: Float[Array, "tokens d_model"], ids: Int[Array, " tokens"]
     ) -> tuple[Float[Array, "tokens topk"], Int[Array, "tokens topk"]]:
@@ -109,6 +113,11 @@ class Experts(eqx.Module):
         self.w2 = init_normal(k2, (e, d, i), dtype)
         self.w3 = init_normal(k3, (e, i, d), dtype)
         self.limit = config.swiglu_limit
+
+    def param_axes(self, name: str) -> tuple[str | None, ...]:
+        if name == "w2":
+            return ("experts", "embed", "expert_mlp")
+        return ("experts", "expert_mlp", "embed")
 
     def __call__(
         self,
@@ -172,9 +181,9 @@ class SharedExpert(eqx.Module):
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jr.split(key, 3)
         d, i = config.hidden_size, config.moe_intermediate_size
-        self.w1 = Linear(d, i, key=k1, dtype=dtype)
-        self.w2 = Linear(i, d, key=k2, dtype=dtype)
-        self.w3 = Linear(d, i, key=k3, dtype=dtype)
+        self.w1 = Linear(d, i, ("mlp", "embed"), key=k1, dtype=dtype)
+        self.w2 = Linear(i, d, ("embed", "mlp"), key=k2, dtype=dtype)
+        self.w3 = Linear(d, i, ("mlp", "embed"), key=k3, dtype=dtype)
         self.limit = config.swiglu_limit
 
     def __call__(self, x: Float[Array, "*batch d_model"]) -> Float[Array, "*batch d_model"]:

@@ -14,7 +14,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 from convert import fill, hf_to_canonical
-from convert._names import block_path
+from equinox_dsv4._checkpoint import block_path
 
 
 S, C, H = ed.SLIDING, ed.CSA, ed.HCA

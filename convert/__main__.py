@@ -1,0 +1,59 @@
+"""python -m convert HF_DIR OUT_DIR: a Hugging Face DeepSeek-V4 checkpoint -> a saved model.
+
+Reads the official release layout (flat names, FP8 weights with ue8m0 block scales, packed FP4
+experts) or the layout transformers' `save_pretrained` writes, checks everything against the
+config before reading any data, and writes an orbax checkpoint that `equinox_dsv4.load(OUT_DIR)`
+restores (sharded when given a mesh). On any problem: one message listing all of them, exit
+status 1, and nothing left at OUT_DIR.
+"""
+
+import argparse
+import sys
+
+import jax.numpy as jnp
+
+from equinox_dsv4._checkpoint import CheckpointError
+
+from ._load import convert
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m convert", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+    )
+    parser.add_argument(
+        "hf_dir", help="directory with config.json and model.safetensors[.index.json]"
+    )
+    parser.add_argument("out_dir", help="where to write the converted model (must not exist)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="parameter dtype"
+    )
+    parser.add_argument("--no-mtp", action="store_true", help="skip the MTP block (mtp.*)")
+    parser.add_argument(
+        "--layers", type=int, metavar="N", help="keep only the first N layers (for smoke runs)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        summary = convert(
+            args.hf_dir,
+            args.out_dir,
+            dtype=jnp.dtype(args.dtype),
+            load_mtp=not args.no_mtp,
+            layers=args.layers,
+            progress=not args.quiet,
+        )
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"converted {summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB in "
+        f"{summary['seconds']:.1f} s ({summary['bytes'] / 2**20 / summary['seconds']:.1f} MiB/s); "
+        f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB -> {args.out_dir}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

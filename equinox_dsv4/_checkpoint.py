@@ -1,0 +1,412 @@
+"""Canonical weight names, and the on-disk format: an orbax pytree of canonically named weights.
+
+Canonical names are the official DeepSeek-V4 release names (flat, no `model.` prefix, e.g.
+`layers.3.attn.wq_a.weight`). Routed experts have two canonical forms: one expert
+(`layers.3.ffn.experts.17.w1.weight`, as released) or the layer's stack
+(`layers.3.ffn.experts.w1`, `[experts, inter, d_model]`, as transformers stores it).
+
+Module attributes follow the official names, so a canonical name is mostly its own pytree path;
+the exceptions are the mHC parameters (`hc_attn_fn` -> `hc_attn.fn`), the expert stacks, the
+layer index (resolved through the model's `LayerPlan` to an unrolled block or a slot of a
+scanned stack) and the MTP block's inner decoder block.
+
+A saved model is a directory with `config.json` (transformers flavour), `equinox_dsv4.json`
+(format version, parameter dtype, execution fields) and `weights/`, an orbax checkpoint of a
+nested dict keyed by the canonical name's components. The format does not depend on the layer
+plan, so a checkpoint loads into any plan of its config.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from ._config import Config
+from ._model import DeepseekV4
+from ._plan import LayerPlan
+from ._sharding import ShardingRules, named_shardings
+
+
+FORMAT_VERSION = 1
+_HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
+_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_EXPERT_STACK = re.compile(r"ffn\.experts\.(w1|w2|w3)")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_HC_HEAD = re.compile(r"hc_head_(fn|base|scale)")
+_GLOBAL = {"embed.weight", "head.weight", "norm.weight"}
+_MTP_OWN = {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight"}
+
+
+class CheckpointError(ValueError):
+    """Weights do not match the model; `problems` lists each mismatch (name, expected, found)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = problems[:50]
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        super().__init__(f"{len(problems)} checkpoint problem(s):\n  " + "\n  ".join(shown) + more)
+
+
+# --------------------------------------------------------------------------------------------
+# canonical names <-> pytree paths
+
+
+def block_path(rest: str) -> tuple[str, tuple[int, ...]]:
+    """Path (relative to a `Block`) and leading index of a canonical per-layer name such as
+    `attn.wq_a.weight`, `hc_attn_fn` or `ffn.experts.7.w1.weight`."""
+    if m := _HC.fullmatch(rest):
+        return f".hc_{m[1]}.{m[2]}", ()
+    if m := _EXPERT.fullmatch(rest):
+        return f".ffn.experts.{m[2]}", (int(m[1]),)
+    if m := _EXPERT_STACK.fullmatch(rest):
+        return f".ffn.experts.{m[1]}", ()
+    return "." + rest, ()
+
+
+def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]] | None:
+    """`(pytree path, leading index)` of a canonical name in a model with this plan: the tensor
+    fills `leaf[index]` of the leaf whose `jax.tree_util.keystr` is `path`. `None` when the name
+    cannot belong to such a model (e.g. a layer beyond the plan)."""
+    if name in _GLOBAL:
+        return "." + name, ()
+    if m := _HC_HEAD.fullmatch(name):
+        return f".hc_head.{m[1]}", ()
+    if m := _LAYER.fullmatch(name):
+        layer = int(m[1])
+        if layer >= plan.num_layers:
+            return None
+        segment, position, repeat = plan.locate(layer)
+        path, index = block_path(m[2])
+        if plan.segments[segment].scanned:
+            return f".layers[{segment}].blocks[{position}]{path}", (repeat, *index)
+        return f".layers[{segment}]{path}", index
+    if m := _MTP.fullmatch(name):
+        depth, rest = int(m[1]), m[2]
+        if rest in _MTP_OWN:
+            return f".mtp[{depth}].{rest}", ()
+        if h := _HC_HEAD.fullmatch(rest):
+            return f".mtp[{depth}].hc_head.{h[1]}", ()
+        path, index = block_path(rest)
+        return f".mtp[{depth}].block{path}", index
+    return None
+
+
+def _block_rest(path: str) -> str:
+    if m := re.fullmatch(r"\.hc_(attn|ffn)\.(fn|base|scale)", path):
+        return f"hc_{m[1]}_{m[2]}"
+    return path[1:]
+
+
+def canonical_pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
+    """`(canonical name, array)` for every weight of `model`, one per layer (scanned stacks are
+    split; routed experts stay stacked per layer)."""
+    plan = model.plan
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        key = jax.tree_util.keystr(path)
+        if m := re.fullmatch(r"\.layers\[(\d+)\]\.blocks\[(\d+)\](.+)", key):
+            seg = plan.segments[int(m[1])]
+            for repeat in range(seg.repeats):
+                layer = seg.layer(int(m[2]), repeat)
+                if isinstance(leaf, jax.ShapeDtypeStruct):
+                    piece = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
+                else:
+                    piece = leaf[repeat]
+                yield f"layers.{layer}.{_block_rest(m[3])}", piece
+        elif m := re.fullmatch(r"\.layers\[(\d+)\](.+)", key):
+            yield f"layers.{plan.segments[int(m[1])].start}.{_block_rest(m[2])}", leaf
+        elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.block(.+)", key):
+            yield f"mtp.{m[1]}.{_block_rest(m[2])}", leaf
+        elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.hc_head\.(fn|base|scale)", key):
+            yield f"mtp.{m[1]}.hc_head_{m[2]}", leaf
+        elif m := re.fullmatch(r"\.hc_head\.(fn|base|scale)", key):
+            yield f"hc_head_{m[1]}", leaf
+        else:
+            yield re.sub(r"\[(\d+)\]", r".\1", key[1:]), leaf
+
+
+# --------------------------------------------------------------------------------------------
+# assigning named pieces to leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where the canonical piece `name` goes: `leaf[index]` of the leaf at `path` (its `number`
+    in the flattened model)."""
+
+    name: str
+    path: str
+    number: int
+    index: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+def assign(
+    skeleton: DeepseekV4, pieces: Iterable[tuple[str, tuple[int, ...], bool]]
+) -> dict[str, Slot]:
+    """Map `(canonical name, shape, is_integer)` pieces onto `skeleton`'s leaves without reading
+    any data. Every leaf must be covered exactly once (whole, per layer of a scanned stack, or
+    per expert) with the expected shape and kind of dtype. All problems are collected and raised
+    together as a `CheckpointError`."""
+    leaves = jax.tree_util.tree_flatten_with_path(skeleton)[0]
+    number = {jax.tree_util.keystr(path): i for i, (path, _) in enumerate(leaves)}
+    covered: dict[int, np.ndarray] = {}
+    rejected: set[int] = set()  # leaves with a reported bad piece are not also reported missing
+    slots: dict[str, Slot] = {}
+    problems: list[str] = []
+    for name, shape, is_int in pieces:
+        target = canonical_to_path(name, skeleton.plan)
+        if target is None or target[0] not in number:
+            problems.append(f"unexpected tensor {name!r} {list(shape)}")
+            continue
+        path, index = target
+        i = number[path]
+        leaf = leaves[i][1]
+        expected = tuple(leaf.shape[len(index) :])
+        problem = None
+        if any(not 0 <= j < n for j, n in zip(index, leaf.shape, strict=False)):
+            problem = f"index {index} out of range for {path} {list(leaf.shape)}"
+        elif tuple(shape) != expected:
+            problem = f"expected shape {list(expected)}, found {list(shape)}"
+        elif jnp.issubdtype(leaf.dtype, jnp.integer) != is_int:
+            problem = (
+                f"expected {'an integer' if not is_int else 'a floating'} dtype like {leaf.dtype}"
+            )
+        if problem is not None:
+            problems.append(f"{name!r}: {problem}")
+            rejected.add(i)
+            continue
+        cover = covered.setdefault(i, np.zeros(leaf.shape[:2], bool))
+        if cover[index].any():
+            problems.append(f"{name!r}: {path}{list(index)} written twice")
+            continue
+        cover[index] = True
+        slots[name] = Slot(name, path, i, index, expected, leaf.dtype)
+    for i, (path, leaf) in enumerate(leaves):
+        cover = covered.get(i)
+        if i not in rejected and (cover is None or not cover.all()):
+            problems.append(f"missing tensor for {jax.tree_util.keystr(path)} {list(leaf.shape)}")
+    if problems:
+        raise CheckpointError(problems)
+    return slots
+
+
+def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> DeepseekV4:
+    """The model with `skeleton`'s structure and the given canonically named host tensors (cast
+    to each leaf's dtype). Validates everything (see `assign`) before building any leaf."""
+    tensors = list(tensors)
+    slots = assign(
+        skeleton,
+        ((n, a.shape, bool(np.issubdtype(a.dtype, np.integer))) for n, a in tensors),
+    )
+    arrays = dict(tensors)
+    leaves, treedef = jax.tree_util.tree_flatten(skeleton)
+    buffers = [np.empty(leaf.shape, np.dtype(leaf.dtype)) for leaf in leaves]
+    for name, slot in slots.items():
+        buffers[slot.number][slot.index] = np.asarray(arrays[name]).astype(
+            buffers[slot.number].dtype
+        )
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(b) for b in buffers])
+
+
+# --------------------------------------------------------------------------------------------
+# save / load
+
+
+def _nest(name: str, value: Any, tree: dict) -> None:
+    *parents, last = name.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[last] = value
+
+
+def _flat_names(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flat_names(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def write_metadata(path: pathlib.Path, config: Config, dtype: Any) -> None:
+    """`config.json` and `equinox_dsv4.json` of a saved model."""
+    (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    meta = {
+        "format": FORMAT_VERSION,
+        "dtype": jnp.dtype(dtype).name,
+        "scan_layers": config.scan_layers,
+        "scan_min_repeats": config.scan_min_repeats,
+    }
+    (path / "equinox_dsv4.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class PieceWriter:
+    """Streams canonically named pieces into `weights/` with orbax partial saves, flushing
+    whenever `flush_bytes` are pending, so host memory stays bounded whatever the model size."""
+
+    def __init__(self, path: pathlib.Path, flush_bytes: int = 1 << 30):
+        from orbax.checkpoint.experimental import v1 as ocp
+
+        self._ocp = ocp
+        self._path = path / "weights"
+        self._pending: dict = {}
+        self._bytes = 0
+        self._flush_bytes = flush_bytes
+        self.written = 0
+
+    def add(self, name: str, array: Any) -> None:
+        _nest(name, array, self._pending)
+        self._bytes += array.nbytes
+        if self._bytes >= self._flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._ocp.partial.save(self._path, self._pending)
+            self.written += self._bytes
+            self._pending, self._bytes = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        self._ocp.partial.finalize(self._path)
+
+
+def save(path: str | os.PathLike, model: DeepseekV4) -> None:
+    """Save `model` (see the module docstring for the format). `path` must not exist; it is
+    written under a temporary sibling name and renamed when complete."""
+    final = pathlib.Path(path)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        dtype = model.embed.weight.dtype
+        write_metadata(tmp, model.config, dtype)
+        writer = PieceWriter(tmp)
+        for name, array in canonical_pieces(model):
+            writer.add(name, np.asarray(array))
+        writer.close()
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_config(path: str | os.PathLike) -> tuple[Config, Any]:
+    """The config and parameter dtype of a saved model."""
+    path = pathlib.Path(path)
+    if not (path / "equinox_dsv4.json").is_file() or not (path / "weights").is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a saved equinox_dsv4 model (no equinox_dsv4.json or weights/)"
+        )
+    meta = json.loads((path / "equinox_dsv4.json").read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format {meta.get('format')!r}")
+    config = Config.from_json(
+        path / "config.json",
+        scan_layers=meta["scan_layers"],
+        scan_min_repeats=meta["scan_min_repeats"],
+    )
+    return config, jnp.dtype(meta["dtype"])
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    rules: ShardingRules | None = None,
+    batch_bytes: int = 1 << 30,
+) -> DeepseekV4:
+    """Load a model saved by `save` or by `python -m convert`.
+
+    **Arguments:**
+
+    - `path`: the saved model's directory.
+    - `mesh`: when given, every leaf is created with its `NamedSharding` (see `ShardingRules`)
+      and each device reads only its own part from disk.
+    - `rules`: logical-to-mesh axis rules (default `ShardingRules()`).
+    - `batch_bytes`: how much is read from disk per batch of leaves.
+
+    **Returns:** the `DeepseekV4` model.
+    """
+    from orbax.checkpoint.experimental import v1 as ocp
+
+    config, dtype = read_config(path)
+    weights = pathlib.Path(path) / "weights"
+    skeleton = eqx.filter_eval_shape(DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    saved = dict(_flat_names(ocp.metadata(weights).metadata))
+    slots = assign(
+        skeleton,
+        (
+            (name, tuple(m.shape), bool(jnp.issubdtype(m.dtype, jnp.integer)))
+            for name, m in saved.items()
+        ),
+    )
+    leaves, treedef = jax.tree_util.tree_flatten(skeleton)
+    if mesh is None:
+        device = SingleDeviceSharding(jax.devices()[0])
+        leaf_shardings = [device] * len(leaves)
+    else:
+        leaf_shardings = jax.tree.leaves(named_shardings(skeleton, mesh, rules))
+    by_leaf: dict[int, list[str]] = {}
+    for name, slot in slots.items():
+        by_leaf.setdefault(slot.number, []).append(name)
+
+    def piece_sharding(slot: Slot):
+        sharding = leaf_shardings[slot.number]
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[len(slot.index) :]))
+        return sharding
+
+    out: list[jax.Array | None] = [None] * len(leaves)
+    batch: list[int] = []
+    size = 0
+    context = ocp.Context(
+        pytree_options=ocp.options.PyTreeOptions(
+            loading=ocp.options.PyTreeOptions.Loading(partial_load=True)
+        )
+    )
+
+    def run(batch):
+        abstract: dict = {}
+        for i in batch:
+            for name in by_leaf[i]:
+                slot = slots[name]
+                sds = jax.ShapeDtypeStruct(
+                    slot.shape, dtype=slot.dtype, sharding=piece_sharding(slot)
+                )
+                _nest(name, sds, abstract)
+        with context:
+            restored = dict(_flat_names(ocp.load(weights, abstract)))
+        for i in batch:
+            names = sorted(by_leaf[i], key=lambda n: slots[n].index)
+            pieces = [restored[n] for n in names]
+            if len(pieces) == 1 and not slots[names[0]].index:
+                out[i] = jax.device_put(pieces[0], leaf_shardings[i])
+            else:
+                out[i] = _stack(leaves[i].shape, leaf_shardings[i])(*pieces)
+
+    for i in range(len(leaves)):
+        batch.append(i)
+        size += int(np.prod(leaves[i].shape)) * jnp.dtype(leaves[i].dtype).itemsize
+        if size >= batch_bytes:
+            run(batch)
+            batch, size = [], 0
+    if batch:
+        run(batch)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _stack(shape: tuple[int, ...], sharding: Any):
+    return jax.jit(lambda *pieces: jnp.stack(pieces).reshape(shape), out_shardings=sharding)

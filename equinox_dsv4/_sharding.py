@@ -1,0 +1,119 @@
+"""Logical-axis sharding: every weight names its axes, one rules table maps them to mesh axes.
+
+Each module declares the logical axes of its array fields (`param_axes(name)`, e.g. `Linear`'s
+`("q_lora", "embed")` for `(out, in)`); the layers of a scanned stack get a leading `"layers"`
+axis. `ShardingRules` maps logical names to mesh axis names; a logical axis whose mesh axis is
+absent from the mesh, or whose size the mesh axis does not divide, is replicated. One mesh axis
+may appear at most once in a spec.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._model import DeepseekV4, LayerStack
+
+
+# logical axis -> mesh axis (or None). The mesh axes are conventionally "data", "fsdp",
+# "tensor" and "expert"; any of them may be missing from a given mesh.
+DEFAULT_RULES: dict[str, str | None] = {
+    "layers": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "embed_out": "tensor",
+    "q_lora": None,
+    "heads_x_dim": "tensor",
+    "heads": "tensor",
+    "head_dim": None,
+    "groups_x_rank": "tensor",
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "mlp": "tensor",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> mesh axis name (`None`: replicated). Unlisted names are replicated."""
+
+    rules: tuple[tuple[str, str | None], ...] = tuple(DEFAULT_RULES.items())
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, str | None]) -> "ShardingRules":
+        return cls(tuple(mapping.items()))
+
+    def replace(self, **changes: str | None) -> "ShardingRules":
+        return self.of({**dict(self.rules), **changes})
+
+    def spec(
+        self, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
+    ) -> PartitionSpec:
+        """The `PartitionSpec` of an array with these logical axes and shape on `mesh`."""
+        table = dict(self.rules)
+        entries: list[str | None] = []
+        for name, size in zip(axes, shape, strict=True):
+            mesh_axis = table.get(name) if name is not None else None
+            if mesh_axis is not None and (
+                mesh_axis not in mesh.shape or size % mesh.shape[mesh_axis]
+            ):
+                mesh_axis = None
+            entries.append(mesh_axis)
+        used = [e for e in entries if e is not None]
+        if len(used) != len(set(used)):
+            raise ValueError(
+                f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
+            )
+        return PartitionSpec(*entries)
+
+
+def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
+    """`{keystr(path): logical axes}` for every array leaf of `model` (or of any submodule)."""
+    out: dict[str, tuple[str | None, ...]] = {}
+
+    def visit(node, path, lead):
+        if isinstance(node, LayerStack):
+            visit(node.blocks, path + ".blocks", lead + ("layers",))
+        elif isinstance(node, tuple | list):
+            for i, child in enumerate(node):
+                visit(child, f"{path}[{i}]", lead)
+        elif isinstance(node, eqx.Module):
+            for field in dataclasses.fields(node):
+                if field.metadata.get("static", False):
+                    continue
+                value = getattr(node, field.name)
+                child = f"{path}.{field.name}"
+                if eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
+                    out[child] = lead + tuple(node.param_axes(field.name))
+                elif value is not None:
+                    visit(value, child, lead)
+
+    visit(model, "", ())
+    return out
+
+
+def partition_specs(
+    model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None
+) -> DeepseekV4:
+    """A pytree like `model` with the `PartitionSpec` of every array leaf."""
+    rules = ShardingRules() if rules is None else rules
+    axes = logical_axes(model)
+
+    def spec(path, leaf):
+        return rules.spec(axes[jax.tree_util.keystr(path)], leaf.shape, mesh)
+
+    return jax.tree_util.tree_map_with_path(spec, model)
+
+
+def named_shardings(
+    model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None
+) -> DeepseekV4:
+    """A pytree like `model` with the `NamedSharding` of every array leaf."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        partition_specs(model, mesh, rules),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
