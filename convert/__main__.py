@@ -19,7 +19,9 @@ from ._load import convert
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m convert", description=__doc__.split("\n\n")[0].split(": ", 1)[1]
+        prog="python -m convert",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "hf_dir", help="directory with config.json and model.safetensors[.index.json]"

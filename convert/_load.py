@@ -59,11 +59,16 @@ class Source:
             s = read_tensor(self.scale)
             w = dequantize_fp4(w, s) if w.dtype == np.int8 else dequantize_fp8(w, s, fp8_block)
         out = self.transform(w)
-        if not self.is_int and not np.isfinite(out.astype(np.float32)).all():
+        if not self.is_int and not _all_finite(out):
             raise CheckpointError(
                 [f"{self.name!r} (from {self.weight.name!r}) has NaN or inf values"]
             )
         return out
+
+
+def _all_finite(x: np.ndarray, chunk: int = 1 << 22) -> bool:
+    flat = x.reshape(-1)  # in chunks: a whole-tensor boolean temporary is an eighth of the data
+    return all(np.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.size, chunk))
 
 
 def _logical_shape(info: TensorInfo, scale: TensorInfo | None, block, problems) -> tuple | None:
@@ -280,13 +285,13 @@ def convert(
         tmp.mkdir(parents=True)
         write_metadata(tmp, p.config, dtype)
         largest = max((s.weight.file.stat().st_size for s in p.sources.values()), default=0)
-        writer = PieceWriter(tmp, flush_bytes=max(64 << 20, min(largest // 2, 1 << 30)))
-        for source in _file_order(p.sources.values()):
+        writer = PieceWriter(tmp, flush_bytes=max(32 << 20, min(largest // 4, 1 << 30)))
+        for done, source in enumerate(_file_order(p.sources.values()), 1):
             slot = p.slots[source.name]
-            writer.add(source.name, source.read(block).astype(np.dtype(slot.dtype)))
+            writer.add(source.name, source.read(block).astype(np.dtype(slot.dtype), copy=False))
             if bar is not None:
                 bar.update(source.nbytes)
-                bar.set_postfix_str(source.weight.file.name, refresh=False)
+                bar.set_postfix_str(f"{done}/{len(p.sources)} pieces", refresh=False)
         writer.close()
         tmp.rename(out_dir)
     except BaseException:
@@ -299,9 +304,21 @@ def convert(
         "tensors": p.tensors_read,
         "bytes": p.bytes_read,
         "seconds": time.perf_counter() - start,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "config": json.loads((out_dir / "config.json").read_text()),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size. Linux's VmHWM, not `ru_maxrss`: the latter keeps
+    the pre-exec size of a forked child, i.e. the parent's."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _file_order(sources) -> Iterator[Source]:
@@ -311,4 +328,4 @@ def _file_order(sources) -> Iterator[Source]:
 def _progress(total: int, tensors: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"converting {tensors} tensors")
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"{tensors} tensors")

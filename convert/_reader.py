@@ -100,6 +100,27 @@ def read_header(path: pathlib.Path, problems: list[str]) -> dict[str, TensorInfo
     return out
 
 
+def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """Write `tensors` as one safetensors file (F8 and BF16 included, from `ml_dtypes` arrays)."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header, offset = {}, 0
+    for name in sorted(tensors):
+        array = tensors[name]
+        header[name] = {
+            "dtype": names[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name]).tobytes())
+
+
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor's values, in a new buffer."""
     fd = os.open(info.file, os.O_RDONLY)

@@ -11,9 +11,11 @@ layer index (resolved through the model's `LayerPlan` to an unrolled block or a 
 scanned stack) and the MTP block's inner decoder block.
 
 A saved model is a directory with `config.json` (transformers flavour), `equinox_dsv4.json`
-(format version, parameter dtype, execution fields) and `weights/`, an orbax checkpoint of a
-nested dict keyed by the canonical name's components. The format does not depend on the layer
-plan, so a checkpoint loads into any plan of its config.
+(format version, parameter dtype, execution fields) and `weights/`: orbax checkpoints
+`part-00000`, `part-00001`, ... of nested dicts keyed by the canonical names' components, written
+as the pieces stream in, and `manifest.json` saying which part holds each piece (with its shape
+and dtype). The format does not depend on the layer plan, so a checkpoint loads into any plan of
+its config.
 """
 
 import dataclasses
@@ -152,6 +154,12 @@ class Slot:
     dtype: Any
 
 
+def _index_depth(path: str) -> int:
+    # How many leading dims of a leaf pieces can index: a scanned stack's layer axis, and the
+    # expert axis of routed experts.
+    return int(".blocks[" in path) + int(".ffn.experts." in path)
+
+
 def assign(
     skeleton: DeepseekV4, pieces: Iterable[tuple[str, tuple[int, ...], bool]]
 ) -> dict[str, Slot]:
@@ -187,7 +195,7 @@ def assign(
             problems.append(f"{name!r}: {problem}")
             rejected.add(i)
             continue
-        cover = covered.setdefault(i, np.zeros(leaf.shape[:2], bool))
+        cover = covered.setdefault(i, np.zeros(leaf.shape[: _index_depth(path)], bool))
         if cover[index].any():
             problems.append(f"{name!r}: {path}{list(index)} written twice")
             continue
@@ -252,34 +260,51 @@ def write_metadata(path: pathlib.Path, config: Config, dtype: Any) -> None:
 
 
 class PieceWriter:
-    """Streams canonically named pieces into `weights/` with orbax partial saves, flushing
-    whenever `flush_bytes` are pending, so host memory stays bounded whatever the model size."""
+    """Streams canonically named pieces into `weights/`: whenever `flush_bytes` are pending they
+    are saved as the next orbax checkpoint `weights/part-NNNNN`, and `close` writes
+    `weights/manifest.json` (name -> part, shape, dtype). Host memory stays bounded by
+    `flush_bytes` plus one piece, whatever the model size."""
 
     def __init__(self, path: pathlib.Path, flush_bytes: int = 1 << 30):
-        from orbax.checkpoint.experimental import v1 as ocp
-
-        self._ocp = ocp
-        self._path = path / "weights"
+        self._dir = path / "weights"
+        self._dir.mkdir()
         self._pending: dict = {}
         self._bytes = 0
         self._flush_bytes = flush_bytes
-        self.written = 0
+        self._manifest: dict[str, dict] = {}
+        self._parts = 0
 
-    def add(self, name: str, array: Any) -> None:
+    def add(self, name: str, array: np.ndarray) -> None:
+        if name in self._manifest:
+            raise ValueError(f"{name!r} written twice")
         _nest(name, array, self._pending)
+        self._manifest[name] = {
+            "part": self._parts,
+            "shape": list(array.shape),
+            "dtype": np.dtype(array.dtype).name,
+        }
         self._bytes += array.nbytes
         if self._bytes >= self._flush_bytes:
             self.flush()
 
     def flush(self) -> None:
+        from orbax.checkpoint.experimental import v1 as ocp
+
         if self._pending:
-            self._ocp.partial.save(self._path, self._pending)
-            self.written += self._bytes
+            # No deep copy of the host arrays (they are not touched again) and no compression
+            # (weights do not compress): each would hold another copy of the batch in memory.
+            context = ocp.Context()
+            context.array.saving.use_compression = False
+            context.memory.deepcopy_host_arrays = False
+            with context:
+                ocp.save(self._dir / f"part-{self._parts:05d}", self._pending)
+            self._parts += 1
             self._pending, self._bytes = {}, 0
 
     def close(self) -> None:
         self.flush()
-        self._ocp.partial.finalize(self._path)
+        manifest = {"format": FORMAT_VERSION, "parts": self._parts, "pieces": self._manifest}
+        (self._dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def save(path: str | os.PathLike, model: DeepseekV4) -> None:
@@ -306,9 +331,10 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
 def read_config(path: str | os.PathLike) -> tuple[Config, Any]:
     """The config and parameter dtype of a saved model."""
     path = pathlib.Path(path)
-    if not (path / "equinox_dsv4.json").is_file() or not (path / "weights").is_dir():
+    if not (path / "equinox_dsv4.json").is_file() or not (path / "weights/manifest.json").is_file():
         raise FileNotFoundError(
-            f"{path} is not a saved equinox_dsv4 model (no equinox_dsv4.json or weights/)"
+            f"{path} is not a saved equinox_dsv4 model "
+            "(no equinox_dsv4.json or weights/manifest.json)"
         )
     meta = json.loads((path / "equinox_dsv4.json").read_text())
     if meta.get("format") != FORMAT_VERSION:
@@ -338,30 +364,30 @@ def load(
     - `rules`: logical-to-mesh axis rules (default `ShardingRules()`).
     - `batch_bytes`: how much is read from disk per batch of leaves.
 
-    **Returns:** the `DeepseekV4` model.
+    **Returns:** the `DeepseekV4` model. Raises `CheckpointError` listing every mismatch
+    between the saved pieces and the config before reading any weights.
     """
     from orbax.checkpoint.experimental import v1 as ocp
 
     config, dtype = read_config(path)
     weights = pathlib.Path(path) / "weights"
+    manifest = json.loads((weights / "manifest.json").read_text())["pieces"]
     skeleton = eqx.filter_eval_shape(DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
-    saved = dict(_flat_names(ocp.metadata(weights).metadata))
     slots = assign(
         skeleton,
         (
-            (name, tuple(m.shape), bool(jnp.issubdtype(m.dtype, jnp.integer)))
-            for name, m in saved.items()
+            (name, tuple(m["shape"]), bool(np.issubdtype(np.dtype(m["dtype"]), np.integer)))
+            for name, m in manifest.items()
         ),
     )
     leaves, treedef = jax.tree_util.tree_flatten(skeleton)
     if mesh is None:
-        device = SingleDeviceSharding(jax.devices()[0])
-        leaf_shardings = [device] * len(leaves)
+        leaf_shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
     else:
         leaf_shardings = jax.tree.leaves(named_shardings(skeleton, mesh, rules))
-    by_leaf: dict[int, list[str]] = {}
-    for name, slot in slots.items():
-        by_leaf.setdefault(slot.number, []).append(name)
+    by_leaf: dict[int, list[Slot]] = {}
+    for slot in slots.values():
+        by_leaf.setdefault(slot.number, []).append(slot)
 
     def piece_sharding(slot: Slot):
         sharding = leaf_shardings[slot.number]
@@ -369,37 +395,37 @@ def load(
             return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[len(slot.index) :]))
         return sharding
 
-    out: list[jax.Array | None] = [None] * len(leaves)
-    batch: list[int] = []
-    size = 0
-    context = ocp.Context(
-        pytree_options=ocp.options.PyTreeOptions(
-            loading=ocp.options.PyTreeOptions.Loading(partial_load=True)
-        )
-    )
+    context = ocp.Context()
+    context.pytree.loading.partial_load = True
+    out: list[Any] = [None] * len(leaves)
 
-    def run(batch):
-        abstract: dict = {}
+    def run(batch: list[int]) -> None:
+        by_part: dict[int, dict] = {}
         for i in batch:
-            for name in by_leaf[i]:
-                slot = slots[name]
+            for slot in by_leaf[i]:
                 sds = jax.ShapeDtypeStruct(
-                    slot.shape, dtype=slot.dtype, sharding=piece_sharding(slot)
+                    slot.shape,
+                    dtype=np.dtype(manifest[slot.name]["dtype"]),
+                    sharding=piece_sharding(slot),
                 )
-                _nest(name, sds, abstract)
+                _nest(slot.name, sds, by_part.setdefault(manifest[slot.name]["part"], {}))
+        restored: dict[str, Any] = {}
         with context:
-            restored = dict(_flat_names(ocp.load(weights, abstract)))
+            for part, abstract in by_part.items():
+                restored.update(_flat_names(ocp.load(weights / f"part-{part:05d}", abstract)))
         for i in batch:
-            names = sorted(by_leaf[i], key=lambda n: slots[n].index)
-            pieces = [restored[n] for n in names]
-            if len(pieces) == 1 and not slots[names[0]].index:
+            pieces = [restored[s.name] for s in sorted(by_leaf[i], key=lambda s: s.index)]
+            pieces = [p.astype(leaves[i].dtype) for p in pieces]
+            if len(pieces) == 1 and not by_leaf[i][0].index:
                 out[i] = jax.device_put(pieces[0], leaf_shardings[i])
             else:
                 out[i] = _stack(leaves[i].shape, leaf_shardings[i])(*pieces)
 
-    for i in range(len(leaves)):
+    batch: list[int] = []
+    size = 0
+    for i, leaf in enumerate(leaves):
         batch.append(i)
-        size += int(np.prod(leaves[i].shape)) * jnp.dtype(leaves[i].dtype).itemsize
+        size += int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
         if size >= batch_bytes:
             run(batch)
             batch, size = [], 0

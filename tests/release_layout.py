@@ -19,18 +19,10 @@ import numpy as np
 
 import equinox_dsv4 as ed
 from convert import hf_to_canonical
+from convert._reader import write_safetensors
 from equinox_dsv4._checkpoint import canonical_pieces
 
 
-SAFETENSORS_DTYPES = {
-    np.dtype(np.float32): "F32",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e8m0fnu): "F8_E8M0",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-}
 FP4_LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 FP8_NAMES = re.compile(
     r"(.*\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|.*\.indexer\.wq_b|.*\.shared_experts\.w[123]"
@@ -38,27 +30,6 @@ FP8_NAMES = re.compile(
 )
 FP4_NAMES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
 F32_NAMES = re.compile(r".*(hc_(attn|ffn|head)_(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)")
-
-
-def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
-    header, offset, blobs = {}, 0, []
-    for name in sorted(tensors):
-        array = np.ascontiguousarray(tensors[name])
-        data = array.tobytes()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-        blobs.append(data)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
 
 
 def write_sharded(out: pathlib.Path, tensors: dict[str, np.ndarray], shards: int) -> None:

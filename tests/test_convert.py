@@ -19,15 +19,12 @@ import torch
 import transformers
 from hf_reference import C, H, S, reference_logits, reference_model, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
-from release_layout import (
-    hf_state_from_canonical,
-    write_release_checkpoint,
-    write_safetensors,
-)
+from release_layout import hf_state_from_canonical, write_release_checkpoint
 
 import convert
 import equinox_dsv4 as ed
 from convert._quant import dequantize_fp4, dequantize_fp8, unpack_fp4
+from convert._reader import write_safetensors
 
 
 ROOT = pathlib.Path(__file__).parent.parent
