@@ -2,6 +2,19 @@
 
 from ._attention import Attention as Attention, attend as attend
 from ._block import Block as Block
+from ._cache import (
+    CompressorState as CompressorState,
+    KVCache as KVCache,
+    LayerCache as LayerCache,
+    cache_bytes as cache_bytes,
+    cache_bytes_per_token as cache_bytes_per_token,
+)
+from ._chat import (
+    chat_prompt as chat_prompt,
+    decode_text as decode_text,
+    encode_text as encode_text,
+    load_tokenizer as load_tokenizer,
+)
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._compressor import (
     AbstractCompressor as AbstractCompressor,
@@ -16,6 +29,13 @@ from ._config import (
     SLIDING as SLIDING,
     Config as Config,
     YarnScaling as YarnScaling,
+)
+from ._generate import (
+    Sampling as Sampling,
+    decode_step as decode_step,
+    generate as generate,
+    prefill as prefill,
+    sample as sample,
 )
 from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead
 from ._indexer import LightningIndexer as LightningIndexer

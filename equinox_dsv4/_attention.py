@@ -19,6 +19,7 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ._cache import LayerCache
 from ._compressor import CSACompressor, HCACompressor
 from ._config import CSA, HCA, SLIDING, Config
 from ._indexer import LightningIndexer, visible_blocks
@@ -26,14 +27,16 @@ from ._layers import Linear, RMSNorm, einsum_f32, f32, lead, rms_normalize
 from ._rope import RoPE
 
 
-def _window_mask(blocks: int, window: int) -> np.ndarray:
-    # Query q of block n (position n*W + q) against key t of the (previous, current) block pair
-    # (position (n-1)*W + t): causal, within the window, and not before position 0.
-    n = np.arange(blocks)[:, None, None]
-    q = np.arange(window)[None, :, None]
-    t = np.arange(2 * window)[None, None, :]
-    qpos, kpos = n * window + q, (n - 1) * window + t
-    return (kpos <= qpos) & (qpos - kpos < window) & (kpos >= 0)
+# Chunks of at most this many queries gather the indexer's picks; longer ones (prefill) use a
+# dense mask over all entries, which is cheaper per query when the chunk is long.
+GATHER_MAX_QUERIES = 16
+
+
+def _rows(x: Array, index: Array) -> Array:
+    # x [b, n, ...] gathered at index [b, *k] along axis 1.
+    flat = index.reshape(index.shape[0], -1)
+    out = jnp.take_along_axis(x, flat.reshape(*flat.shape, *(1,) * (x.ndim - 2)), axis=1)
+    return out.reshape(*index.shape, *x.shape[2:])
 
 
 def attend(
@@ -41,47 +44,86 @@ def attend(
     kv: Float[Array, "batch seq head_dim"],
     sinks: Float[Array, " heads"],
     window: int,
+    prefix: Float[Array, "batch window head_dim"] | None = None,
+    prefix_valid: Bool[Array, "batch window"] | None = None,
     compressed: Float[Array, "batch entries head_dim"] | None = None,
     compressed_mask: Bool[Array, "batch seq entries"] | None = None,
+    compressed_picks: Int[Array, "batch seq topk"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
-    """Softmax attention of every query over its sliding window of `kv` (queries and keys at
-    positions `0 .. seq-1`), plus the compressed entries `compressed_mask` allows, plus a sink.
+    """Softmax attention of a chunk of queries over their sliding window, plus compressed
+    entries, plus a per-head sink.
 
-    Queries are processed in blocks of `window`, each against its own and the previous block's
-    keys, so the cost is linear in `seq`. Logits and softmax are float32; the probabilities are
-    cast to the value dtype for the value matmul, which accumulates in float32.
+    Query `i` of the chunk is at the position after `prefix` (the `window` keys before the
+    chunk, oldest first; `prefix_valid` marks real ones) and sees the keys of the `window`
+    positions ending at itself: from `prefix` and from `kv` (the chunk's own keys). Compressed
+    entries are selected either densely (`compressed_mask`) or by index (`compressed_picks`,
+    `-1` for none), which gathers only the picked entries.
+
+    Long chunks are processed in blocks of `window` queries, each against `2 * window` keys,
+    so the cost is linear in the chunk length. Logits and softmax are float32; probabilities
+    are cast to the value dtype for the value matmul, which accumulates in float32.
     """
-    b, s, h, k = q.shape
+    b, t, h, k = q.shape
     w = window
-    nb = -(-s // w)
-    pad = ((0, 0), (0, nb * w - s))
-    qb = jnp.pad(q, pad + ((0, 0), (0, 0))).reshape(b, nb, w, h, k)
-    cur = jnp.pad(kv, pad + ((0, 0),)).reshape(b, nb, w, k)
-    prev = jnp.pad(cur[:, :-1], ((0, 0), (1, 0), (0, 0), (0, 0)))
-    keys = jnp.concatenate([prev, cur], axis=2)  # [b, n, 2w, k]
+    if prefix is None:
+        prefix = jnp.zeros((b, w, k), kv.dtype)
+        prefix_valid = jnp.zeros((b, w), jnp.bool_)
+    assert prefix_valid is not None
+    bq = w if t > w else t  # queries per block
+    nb = -(-t // bq)
+    qb = jnp.pad(q, ((0, 0), (0, nb * bq - t), (0, 0), (0, 0))).reshape(b, nb, bq, h, k)
+    ext = jnp.concatenate([prefix, kv], axis=1)  # key j is at the chunk's position j - w
+    valid = jnp.concatenate([prefix_valid, jnp.ones((b, t), jnp.bool_)], axis=1)
+    if bq == w:
+        # Block n's keys: ext[n w : n w + 2 w].
+        ext = jnp.pad(ext, ((0, 0), (0, (nb + 1) * w - ext.shape[1]), (0, 0))).reshape(
+            b, nb + 1, w, k
+        )
+        keys = jnp.concatenate([ext[:, :-1], ext[:, 1:]], axis=2)
+        valid = jnp.pad(valid, ((0, 0), (0, (nb + 1) * w - valid.shape[1]))).reshape(b, nb + 1, w)
+        valid = jnp.concatenate([valid[:, :-1], valid[:, 1:]], axis=2)
+    else:
+        keys, valid = ext[:, None], valid[:, None]
+    # Query i of a block against key j of its key window: causal and within the window.
+    i = np.arange(bq)[:, None]
+    j = np.arange(keys.shape[2])[None, :]
+    in_window = jnp.asarray((i < j) & (j <= i + w))[None, None, None]
     scale = k**-0.5
 
     logits = einsum_f32("bnqhk,bntk->bnhqt", qb, keys)
-    mask = jnp.asarray(_window_mask(nb, w))[None, :, None]
-    logits = jnp.where(mask, logits * scale, -jnp.inf)
+    logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
     sink = lead(f32(sinks)[:, None], 4)  # [1, 1, h, 1]
     top = jnp.maximum(jnp.max(logits, axis=-1), sink)
-    use_compressed = compressed is not None and compressed.shape[1] > 0
-    if use_compressed:
-        assert compressed is not None and compressed_mask is not None
-        c_logits = einsum_f32("bnqhk,bmk->bnhqm", qb, compressed)
-        c_mask = jnp.pad(compressed_mask, pad + ((0, 0),)).reshape(b, nb, 1, w, -1)
-        c_logits = jnp.where(c_mask, c_logits * scale, -jnp.inf)
+
+    def blocked(x):  # [b, t, ...] -> [b, nb, bq, ...]
+        x = jnp.pad(x, ((0, 0), (0, nb * bq - t)) + ((0, 0),) * (x.ndim - 2))
+        return x.reshape(b, nb, bq, *x.shape[2:])
+
+    extra = None
+    if compressed is not None and compressed.shape[1] > 0:
+        if compressed_picks is not None:
+            picked = blocked(_rows(compressed, jnp.maximum(compressed_picks, 0)))
+            c_logits = einsum_f32("bnqhk,bnqjk->bnhqj", qb, picked)
+            c_valid = blocked(compressed_picks >= 0)[:, :, None]
+            values = ("bnhqj,bnqjk->bnqhk", picked)
+        else:
+            assert compressed_mask is not None
+            c_logits = einsum_f32("bnqhk,bmk->bnhqm", qb, compressed)
+            c_valid = blocked(compressed_mask)[:, :, None]
+            values = ("bnhqm,bmk->bnqhk", compressed)
+        c_logits = jnp.where(c_valid, c_logits * scale, -jnp.inf)
         top = jnp.maximum(top, jnp.max(c_logits, axis=-1))
+        extra = c_logits, values
     probs = jnp.exp(logits - top[..., None])
     denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - top)
     out = einsum_f32("bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys)
-    if use_compressed:
+    if extra is not None:
+        c_logits, (spec, c_values) = extra
         c_probs = jnp.exp(c_logits - top[..., None])
         denom = denom + jnp.sum(c_probs, axis=-1)
-        out = out + einsum_f32("bnhqm,bmk->bnqhk", c_probs.astype(kv.dtype), compressed)
+        out = out + einsum_f32(spec, c_probs.astype(kv.dtype), c_values)
     out = out / jnp.transpose(denom, (0, 1, 3, 2))[..., None]
-    return out.reshape(b, nb * w, h, k)[:, :s].astype(q.dtype)
+    return out.reshape(b, nb * bq, h, k)[:, :t].astype(q.dtype)
 
 
 class Attention(eqx.Module):
@@ -157,6 +199,16 @@ class Attention(eqx.Module):
         assert name == "attn_sink"
         return ("heads",)
 
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> LayerCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens."""
+        ring = jnp.zeros((batch, self.window, self.head_dim), dtype)
+        compressor = indexer = None
+        if self.compressor is not None:
+            compressor = self.compressor.empty_state(batch, max_len, dtype)
+        if self.indexer is not None:
+            indexer = self.indexer.empty_state(batch, max_len, dtype)
+        return LayerCache(ring, compressor, indexer)
+
     def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
         """**Arguments:** `x`, the normed block input `[batch, seq, d_model]` at positions
         `0 .. seq-1` (a full causal forward).
@@ -164,23 +216,65 @@ class Attention(eqx.Module):
         **Returns:** the attention output `[batch, seq, d_model]` in `x.dtype`.
         """
         b, s, _ = x.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        start = jnp.zeros((b,), jnp.int32)
+        cache = self.init_cache(b, s, x.dtype)
+        return self.step(x, start, jnp.full((b,), s, jnp.int32), cache)[0]
+
+    def step(
+        self,
+        x: Float[Array, "batch chunk d_model"],
+        start: Int[Array, " batch"],
+        count: Int[Array, " batch"],
+        cache: LayerCache,
+    ) -> tuple[Float[Array, "batch chunk d_model"], LayerCache]:
+        """Attention for a chunk of tokens appended to `cache`.
+
+        **Arguments:**
+
+        - `x`: the normed block input of the chunk.
+        - `start`: each sequence's position of the chunk's first token (tokens already cached).
+        - `count`: how many of the chunk's tokens are real, per sequence (the rest is padding:
+          computed, but neither cached nor visible to real tokens).
+        - `cache`: this layer's state.
+
+        **Returns:** `(output, cache)`: the output `[batch, chunk, d_model]` in `x.dtype` and the
+        state with the chunk's real tokens appended.
+        """
+        b, t, _ = x.shape
+        w = self.window
+        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
         q = self.rope(rms_normalize(q, self.eps), positions)
         kv = self.rope(self.kv_norm(self.wkv(x)), positions)
 
-        compressed = mask = None
+        # The ring holds position p in slot p % w: the window before the chunk, oldest first.
+        before = start[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
+        prefix = _rows(cache.ring, before % w)
+        i = jnp.arange(t, dtype=jnp.int32)[None]
+        write = (i < count[:, None]) & (i >= count[:, None] - w)
+        slot = jnp.where(write, positions % w, w)  # w: dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
+        ring = cache.ring.at[rows, slot].set(kv, mode="drop")
+
+        compressor_state = indexer_state = None
+        compressed = mask = picks = None
         if self.compressor is not None:
-            compressed = self.compressor(x)
+            assert cache.compressor is not None
+            compressor_state = self.compressor.step(x, start, count, cache.compressor)
+            compressed = compressor_state.entries
             if self.indexer is not None:
-                mask = selection_mask(self.indexer(x, qr), compressed.shape[1])
+                assert cache.indexer is not None
+                picks, indexer_state = self.indexer.step(x, qr, start, count, cache.indexer)
+                if t > GATHER_MAX_QUERIES:
+                    mask, picks = selection_mask(picks, compressed.shape[1]), None
             else:
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)
                 visible = visible_blocks(positions, self.compressor.ratio)
                 mask = entry[None, None, :] < visible[..., None]
-        o = attend(q, kv, self.attn_sink, self.window, compressed, mask)
-        return self.project_out(self.rope(o, positions, inverse=True))
+        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks)
+        out = self.project_out(self.rope(o, positions, inverse=True))
+        return out, LayerCache(ring, compressor_state, indexer_state)
 
     def project_out(
         self, o: Float[Array, "batch seq heads head_dim"]

@@ -7,6 +7,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._attention import Attention
+from ._cache import LayerCache
 from ._config import Config
 from ._hyper import HyperConnection
 from ._layers import RMSNorm
@@ -62,7 +63,25 @@ class Block(eqx.Module):
 
         **Returns:** the updated streams, in `x.dtype`.
         """
+        b, s = ids.shape
+        cache = self.attn.init_cache(b, s, x.dtype)
+        start = jnp.zeros((b,), jnp.int32)
+        return self.step(x, ids, start, jnp.full((b,), s, jnp.int32), cache)[0]
+
+    def step(
+        self,
+        x: Float[Array, "batch chunk streams d_model"],
+        ids: Int[Array, "batch chunk"],
+        start: Int[Array, " batch"],
+        count: Int[Array, " batch"],
+        cache: LayerCache,
+    ) -> tuple[Float[Array, "batch chunk streams d_model"], LayerCache]:
+        """The block on a chunk appended to `cache` (see `Attention.step`).
+
+        **Returns:** `(streams, cache)`.
+        """
         u, post, comb = self.hc_attn(x)
-        x = self.hc_attn.mix(self.attn(self.attn_norm(u)), x, post, comb)
+        a, cache = self.attn.step(self.attn_norm(u), start, count, cache)
+        x = self.hc_attn.mix(a, x, post, comb)
         u, post, comb = self.hc_ffn(x)
-        return self.hc_ffn.mix(self.ffn(self.ffn_norm(u), ids), x, post, comb)
+        return self.hc_ffn.mix(self.ffn(self.ffn_norm(u), ids), x, post, comb), cache

@@ -8,7 +8,9 @@ channel, of the gate projection plus a learned per-slot bias (`ape`). The entry 
 RMS-normalised and rotated (compress RoPE) at the position of its block's first token, `i * ratio`.
 
 Projections and pooling run in float32 (as in the official code) and the entry is cast back to
-the input dtype before its norm. Only complete blocks are emitted.
+the input dtype before its norm. Only complete blocks are emitted; the open block waits in the
+`CompressorState`, so a sequence can be fed in chunks of any size (one token at a time included)
+and gives the same entries as in one piece.
 """
 
 import abc
@@ -18,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._cache import CompressorState
 from ._config import Config
-from ._layers import Linear, RMSNorm, lead
+from ._layers import Linear, RMSNorm
 from ._rope import RoPE
 
 
@@ -30,6 +33,12 @@ def pool(
 ) -> Float[Array, "*batch width"]:
     """Per-channel softmax over the slots of a window, then the weighted sum (float32)."""
     return jnp.sum(kv * jax.nn.softmax(gate, axis=-2), axis=-2)
+
+
+def _rows(x: Array, index: Array) -> Array:
+    # x [b, n, ...] gathered at index [b, k] along axis 1.
+    index = index.reshape(*index.shape, *(1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
 
 
 class AbstractCompressor(eqx.Module):
@@ -80,40 +89,101 @@ class AbstractCompressor(eqx.Module):
     def layout(config: Config) -> tuple[int, int]:
         """`(ratio, series)`: tokens per block and projected series per token."""
 
+    @property
+    def overlap(self) -> bool:
+        return self.wkv.weight.shape[-2] == 2 * self.head_dim
+
     @abc.abstractmethod
     def slots(
-        self, kv: Float[Array, "batch n ratio width"], gate: Float[Array, "batch n ratio width"]
+        self,
+        kv: Float[Array, "batch n ratio width"],
+        gate: Float[Array, "batch n ratio width"],
+        state: CompressorState,
+        first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
-        """The kv and gate of the slots each entry pools."""
+        """The kv and gate of the slots each entry pools; `kv[:, j]` is the block with global
+        index `first_block + j`, `state` holds what precedes it."""
+
+    def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
+        return CompressorState.empty(batch, max_len, self.ratio, self.head_dim, self.overlap, dtype)
 
     def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch n head_dim"]:
         """**Arguments:** `x`, the normed block input at positions `0 .. seq-1`.
 
         **Returns:** the `seq // ratio` compressed entries, in `x.dtype`.
         """
-        if x.shape[1] < self.ratio:
-            return jnp.zeros((x.shape[0], 0, self.head_dim), x.dtype)
-        kv, gate = self.slots(*self.blocks(x))
-        return self.finish(pool(kv, gate), x.dtype)
+        b, s, _ = x.shape
+        state = self.empty_state(b, s, x.dtype)
+        zero = jnp.zeros((b,), jnp.int32)
+        return self.step(x, zero, jnp.full((b,), s, jnp.int32), state).entries
 
-    def blocks(
-        self, x: Float[Array, "batch seq d_model"]
-    ) -> tuple[Float[Array, "batch n ratio width"], Float[Array, "batch n ratio width"]]:
-        """Float32 kv and gate (+ ape) of the complete blocks of `x`."""
-        n = x.shape[1] // self.ratio
-        x = x[:, : n * self.ratio]
-        kv = self.wkv(x, dtype=jnp.float32).reshape(x.shape[0], n, self.ratio, -1)
-        gate = self.wgate(x, dtype=jnp.float32).reshape(x.shape[0], n, self.ratio, -1)
-        return kv, gate + lead(self.ape, gate.ndim)
+    def step(
+        self,
+        x: Float[Array, "batch chunk d_model"],
+        start: Int[Array, " batch"],
+        count: Int[Array, " batch"],
+        state: CompressorState,
+    ) -> CompressorState:
+        """Feed the first `count[b]` tokens of `x[b]`, at positions `start[b] ...`, and emit the
+        entries of every block they complete into `state.entries`.
+
+        The open block's earlier tokens (from `state`) and the chunk are laid out on a block
+        grid starting at the open block's first position, so blocks are pooled in parallel
+        whatever each sequence's offset."""
+        b, t, _ = x.shape
+        m = self.ratio
+        positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        kv = self.wkv(x, dtype=jnp.float32)
+        gate = self.wgate(x, dtype=jnp.float32) + jnp.take(self.ape, positions % m, axis=0)
+
+        open_len = start % m  # tokens of the open block already in `state`
+        grid = -(-(m + t) // m) * m
+        v = jnp.broadcast_to(jnp.arange(grid, dtype=jnp.int32), (b, grid))
+        from_state = v < open_len[:, None]
+        in_chunk = v - open_len[:, None]
+
+        def lay_out(old, new):
+            from_chunk = _rows(new, jnp.clip(in_chunk, 0, t - 1))
+            from_old = _rows(old, jnp.clip(v, 0, m - 1))
+            return jnp.where(from_state[..., None], from_old, from_chunk)
+
+        grid_kv = lay_out(state.kv, kv).reshape(b, grid // m, m, -1)
+        grid_gate = lay_out(state.gate, gate).reshape(b, grid // m, m, -1)
+        first_block = start // m
+        complete = (open_len + count) // m  # blocks closed by this chunk
+
+        slots_kv, slots_gate = self.slots(grid_kv, grid_gate, state, first_block)
+        pooled = pool(slots_kv, slots_gate)
+        blocks = first_block[:, None] + jnp.arange(grid // m, dtype=jnp.int32)[None]
+        entries = self.finish(pooled, blocks * m, state.entries.dtype)
+        n_entries = state.entries.shape[1]
+        target = jnp.where(jnp.arange(grid // m)[None] < complete[:, None], blocks, n_entries)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
+        new_entries = state.entries.at[rows, target].set(entries, mode="drop")
+
+        # The new open block: grid slots complete * m ... open_len + count - 1.
+        keep = complete[:, None] * m + jnp.arange(m, dtype=jnp.int32)[None]
+        keep = jnp.clip(keep, 0, grid - 1)
+        new_kv = _rows(grid_kv.reshape(b, grid, -1), keep)
+        new_gate = _rows(grid_gate.reshape(b, grid, -1), keep)
+        prev_kv, prev_gate = state.prev_kv, state.prev_gate
+        if self.overlap:
+            assert prev_kv is not None and prev_gate is not None
+            d = self.head_dim
+            last = jnp.clip(complete - 1, 0, grid // m - 1)
+            closed = (complete > 0)[:, None, None]
+            prev_kv = jnp.where(closed, _rows(grid_kv, last[:, None])[:, 0, :, :d], prev_kv)
+            prev_gate = jnp.where(closed, _rows(grid_gate, last[:, None])[:, 0, :, :d], prev_gate)
+        return CompressorState(new_kv, new_gate, prev_kv, prev_gate, new_entries)
 
     def finish(
-        self, pooled: Float[Array, "batch n head_dim"], dtype: DTypeLike
+        self,
+        pooled: Float[Array, "batch n head_dim"],
+        positions: Int[Array, "batch n"],
+        dtype: DTypeLike,
     ) -> Float[Array, "batch n head_dim"]:
         """Norm, then RoPE at each block's first position, in the activation dtype."""
-        entries = self.norm(pooled.astype(dtype))
-        positions = jnp.arange(entries.shape[1], dtype=jnp.int32) * self.ratio
-        positions = jnp.broadcast_to(positions, entries.shape[:2])
-        return self.rope(entries, positions)
+        return self.rope(self.norm(pooled.astype(dtype)), positions)
 
 
 class HCACompressor(AbstractCompressor):
@@ -124,8 +194,13 @@ class HCACompressor(AbstractCompressor):
         return config.compress_rate_hca, 1
 
     def slots(
-        self, kv: Float[Array, "batch n ratio width"], gate: Float[Array, "batch n ratio width"]
+        self,
+        kv: Float[Array, "batch n ratio width"],
+        gate: Float[Array, "batch n ratio width"],
+        state: CompressorState,
+        first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
+        del state, first_block
         return kv, gate
 
 
@@ -139,12 +214,21 @@ class CSACompressor(AbstractCompressor):
         return config.compress_rate_csa, 2
 
     def slots(
-        self, kv: Float[Array, "batch n ratio width"], gate: Float[Array, "batch n ratio width"]
+        self,
+        kv: Float[Array, "batch n ratio width"],
+        gate: Float[Array, "batch n ratio width"],
+        state: CompressorState,
+        first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
+        assert state.prev_kv is not None and state.prev_gate is not None
         d = self.head_dim
-        shift = ((0, 0), (1, 0), (0, 0), (0, 0))
-        prev_kv = jnp.pad(kv[:, :-1, :, :d], shift)
-        prev_gate = jnp.pad(gate[:, :-1, :, :d], shift, constant_values=-jnp.inf)
+        # Block j's predecessor: the previous grid block, or for j = 0 the state's last block,
+        # or nothing for the sequence's block 0 (gate -inf: zero weight).
+        prev_kv = jnp.concatenate([state.prev_kv[:, None], kv[:, :-1, :, :d]], axis=1)
+        prev_gate = jnp.concatenate([state.prev_gate[:, None], gate[:, :-1, :, :d]], axis=1)
+        blocks = first_block[:, None] + jnp.arange(kv.shape[1])[None]
+        prev_gate = jnp.where((blocks == 0)[:, :, None, None], -jnp.inf, prev_gate)
+        prev_kv = jnp.where((blocks == 0)[:, :, None, None], 0.0, prev_kv)
         kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)
         gate = jnp.concatenate([prev_gate, gate[..., d:]], axis=2)
         return kv, gate

@@ -15,6 +15,7 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._cache import CompressorState
 from ._compressor import CSACompressor
 from ._config import Config
 from ._layers import Linear, einsum_f32
@@ -74,6 +75,24 @@ class LightningIndexer(eqx.Module):
         w = self.weights_proj(x, dtype=jnp.float32) * scale
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
 
+    def select(
+        self,
+        x: Float[Array, "batch seq d_model"],
+        qr: Float[Array, "batch seq q_lora"],
+        keys: Float[Array, "batch blocks index_dim"],
+        positions: Int[Array, "batch seq"],
+    ) -> Int[Array, "batch seq topk"]:
+        """The `min(index_topk, blocks)` best visible keys per query, `-1` for picks the query
+        may not see (order unspecified)."""
+        if keys.shape[1] == 0:
+            return jnp.zeros((*positions.shape, 0), jnp.int32)
+        scores = self.scores(x, qr, keys, positions)
+        visible = visible_blocks(positions, self.ratio)[..., None]
+        entry = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), scores.shape)
+        scores = jnp.where(entry < visible, scores, -jnp.inf)
+        _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
+        return jnp.where(picked < visible, picked, -1).astype(jnp.int32)
+
     def __call__(
         self, x: Float[Array, "batch seq d_model"], qr: Float[Array, "batch seq q_lora"]
     ) -> Int[Array, "batch seq topk"]:
@@ -87,13 +106,22 @@ class LightningIndexer(eqx.Module):
         """
         b, s, _ = x.shape
         keys = self.compressor(x)
-        if keys.shape[1] == 0:
-            return jnp.zeros((b, s, 0), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        scores = self.scores(x, qr, keys, positions)
-        visible = visible_blocks(positions, self.ratio)[..., None]
-        entry = jnp.arange(keys.shape[1], dtype=jnp.int32)
-        entry = jnp.broadcast_to(entry, scores.shape)
-        scores = jnp.where(entry < visible, scores, -jnp.inf)
-        _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
-        return jnp.where(picked < visible, picked, -1).astype(jnp.int32)
+        return self.select(x, qr, keys, positions)
+
+    def step(
+        self,
+        x: Float[Array, "batch chunk d_model"],
+        qr: Float[Array, "batch chunk q_lora"],
+        start: Int[Array, " batch"],
+        count: Int[Array, " batch"],
+        state: CompressorState,
+    ) -> tuple[Int[Array, "batch chunk topk"], CompressorState]:
+        """Update the index keys with the chunk (see `AbstractCompressor.step`), then select for
+        each of its queries. **Returns:** `(picks, state)`."""
+        state = self.compressor.step(x, start, count, state)
+        positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
+        return self.select(x, qr, state.entries, positions), state
+
+    def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
+        return self.compressor.empty_state(batch, max_len, dtype)

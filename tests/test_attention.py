@@ -92,7 +92,7 @@ def test_attend_compressed_entries_by_hand():
     kv = jnp.array([[[1.0], [2.0]]])
     compressed = jnp.array([[[5.0], [7.0]]])
     mask = jnp.array([[[False, False], [True, False]]])
-    out = ed.attend(q, kv, jnp.array([-30.0]), 1, compressed, mask)
+    out = ed.attend(q, kv, jnp.array([-30.0]), 1, compressed=compressed, compressed_mask=mask)
     e = np.exp
     np.testing.assert_allclose(
         out[0, 1, 0, 0], (2 * e(2) + 5 * e(5)) / (e(2) + e(5) + e(-30)), rtol=1e-6

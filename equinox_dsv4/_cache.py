@@ -1,0 +1,111 @@
+"""The decoding state: an immutable pytree shaped like the layer stack.
+
+Per layer (`LayerCache`):
+
+- `ring`: the raw K=V of the last `window` positions, position `p` in slot `p % window`;
+- for CSA / HCA layers, the compressor's `CompressorState`: the projected kv and gate (plus slot
+  bias) of the block being filled, for CSA also the `Ca` half of the last complete block (the
+  next entry pools it), and the emitted entries, preallocated to `max_len // ratio`;
+- for CSA layers, the Lightning Indexer's own `CompressorState` (its entries are the index keys).
+
+`KVCache` holds one `LayerCache` per unrolled block and, for a scanned `LayerStack`, one per
+period position with a leading `repeats` axis, so the cache scans with the weights; plus the
+number of tokens each sequence has in the cache. Nothing here is a Python-level branch on
+values: every shape is fixed by `(batch, max_len)`, so decoding never recompiles.
+"""
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int
+
+from ._config import CSA, HCA, SLIDING, Config
+
+
+class CompressorState(eqx.Module):
+    """A compressor's running state. `kv` / `gate` rows `0 .. pos % ratio - 1` are the open
+    block's tokens (float32, the gate with its slot bias); `prev_*` (CSA only) the `Ca` half of
+    the last complete block; `entries` the emitted compressed entries, `pos // ratio` of them."""
+
+    kv: Float[Array, "batch ratio width"]
+    gate: Float[Array, "batch ratio width"]
+    prev_kv: Float[Array, "batch ratio head_dim"] | None
+    prev_gate: Float[Array, "batch ratio head_dim"] | None
+    entries: Float[Array, "batch blocks head_dim"]
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        max_len: int,
+        ratio: int,
+        head_dim: int,
+        overlap: bool,
+        dtype: DTypeLike,
+    ) -> "CompressorState":
+        width = (2 if overlap else 1) * head_dim
+
+        def prev():  # distinct buffers: the cache is donated, leaf by leaf
+            return jnp.zeros((batch, ratio, head_dim), jnp.float32) if overlap else None
+
+        return cls(
+            kv=jnp.zeros((batch, ratio, width), jnp.float32),
+            gate=jnp.zeros((batch, ratio, width), jnp.float32),
+            prev_kv=prev(),
+            prev_gate=prev(),
+            entries=jnp.zeros((batch, max_len // ratio, head_dim), dtype),
+        )
+
+
+class LayerCache(eqx.Module):
+    """One attention layer's state (see the module docstring)."""
+
+    ring: Float[Array, "batch window head_dim"]
+    compressor: CompressorState | None
+    indexer: CompressorState | None
+
+
+class KVCache(eqx.Module):
+    """The whole model's decoding state (see the module docstring). Build it with
+    `DeepseekV4.init_cache`; `DeepseekV4.decode` returns the updated one."""
+
+    layers: tuple[LayerCache | tuple[LayerCache, ...], ...]
+    positions: Int[Array, " batch"]
+    max_len: int = eqx.field(static=True)
+
+
+def cache_bytes_per_token(config: Config, dtype: DTypeLike = jnp.bfloat16) -> dict[str, float]:
+    """Bytes of cache per token of context, per layer of each attention type, in the limit of
+    a long context (the fixed-size sliding ring and compressor buffers excluded)."""
+    item = np.dtype(dtype).itemsize
+    return {
+        SLIDING: 0.0,
+        CSA: (config.head_dim + config.index_head_dim) * item / config.compress_rate_csa,
+        HCA: config.head_dim * item / config.compress_rate_hca,
+    }
+
+
+def cache_bytes(
+    config: Config, max_len: int, batch: int = 1, dtype: DTypeLike = jnp.bfloat16
+) -> dict[str, int]:
+    """Total cache bytes for `batch` sequences of `max_len` tokens: the compressed cache of this
+    model (as `init_cache` allocates it) and, for comparison, a plain multi-query cache of the
+    same layers (one K and one V head of `head_dim` per token per layer)."""
+    item = np.dtype(dtype).itemsize
+    window = config.sliding_window * config.head_dim * item
+    total = 0
+    for layer_type in config.layer_types:
+        total += window
+        if layer_type == SLIDING:
+            continue
+        ratio = config.compress_rate_csa if layer_type == CSA else config.compress_rate_hca
+        widths = [config.head_dim] + ([config.index_head_dim] if layer_type == CSA else [])
+        for d in widths:
+            overlap = layer_type == CSA
+            state = 2 * ratio * (2 if overlap else 1) * d * 4 + (
+                2 * ratio * d * 4 if overlap else 0
+            )
+            total += (max_len // ratio) * d * item + state
+    plain = len(config.layer_types) * max_len * 2 * config.head_dim * item
+    return {"compressed": batch * total, "plain_mqa": batch * plain}

@@ -1,0 +1,174 @@
+"""Sampling and generation with the compressed KV cache.
+
+One jitted prefill per prompt-batch shape, then one jitted decode step (fixed shapes, the cache
+donated) per new token. Prompts of different lengths share a batch: each sequence keeps its own
+position in the cache (no left padding, which would shift the position-based compression
+windows), and a finished sequence stops advancing.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._cache import KVCache
+from ._model import DeepseekV4
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How to pick the next token: greedy when `temperature == 0`, otherwise from the softmax of
+    `logits / temperature` restricted to the `top_k` most likely tokens (0: all) and to the
+    smallest set whose probability reaches `top_p` (nucleus sampling)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(
+    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling
+) -> Int[Array, " batch"]:
+    """One token per row (see `Sampling`)."""
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        # Keep a token if the mass of the tokens before it is below top_p (the first always).
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < sampling.top_p
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def prefill(
+    model: DeepseekV4,
+    ids: Int[Array, "batch chunk"],
+    lengths: Int[Array, " batch"],
+    cache: KVCache,
+    key: PRNGKeyArray,
+    sampling: Sampling,
+) -> tuple[Int[Array, " batch"], KVCache]:
+    """Run the prompts (row `b`: its first `lengths[b]` tokens) and sample each one's next
+    token. **Returns:** `(tokens, cache)`."""
+    logits, cache = model.decode(ids, cache, lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return sample(last, key, sampling), cache
+
+
+@eqx.filter_jit(donate="all-except-first")
+def decode_step(
+    model: DeepseekV4,
+    tokens: Int[Array, " batch"],
+    active: Int[Array, " batch"],
+    cache: KVCache,
+    key: PRNGKeyArray,
+    sampling: Sampling,
+) -> tuple[Int[Array, " batch"], KVCache]:
+    """Append one token per active row (`active[b]` 1 or 0) and sample the next."""
+    logits, cache = model.decode(tokens[:, None], cache, active)
+    return sample(logits[:, 0], key, sampling), cache
+
+
+def generate(
+    model: DeepseekV4,
+    prompts: Sequence[Sequence[int | np.integer]],
+    *,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    key: PRNGKeyArray | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    max_len: int | None = None,
+    callback: Callable[[np.ndarray, np.ndarray], None] | None = None,
+) -> list[list[int]]:
+    """Generate continuations of a batch of prompts.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `prompts`: token ids per prompt (any lengths, none empty).
+    - `max_new_tokens`: how many tokens to generate at most per prompt.
+    - `sampling`: greedy by default (see `Sampling`); `key` is required otherwise.
+    - `stop_tokens`: ids that end a sequence (default: the config's `eos_token_id`); the stop
+      token itself is not returned.
+    - `max_len`: cache length (default: the longest prompt plus `max_new_tokens`, rounded up to
+      a multiple of 64 so that repeated calls reuse compiled steps); a sequence also stops when
+      prompt plus generated tokens reach it.
+    - `callback`: called after every step with the new tokens `[batch]` and which rows are
+      still running (for streaming).
+
+    **Returns:** the generated ids per prompt, without the prompt.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if sampling.temperature > 0 and key is None:
+        raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    key = jax.random.key(0) if key is None else key
+    longest = max(len(p) for p in prompts)
+    if max_len is None:
+        max_len = _bucket(longest + max_new_tokens, 64)
+    if longest > max_len:
+        raise ValueError(f"prompt of {longest} tokens does not fit max_len={max_len}")
+    if stop_tokens is None:
+        eos = model.config.eos_token_id
+        stop_tokens = () if eos is None else ((eos,) if isinstance(eos, int) else eos)
+    stops = np.asarray(list(stop_tokens), np.int64)
+
+    batch = len(prompts)
+    # Prompts padded to a bucketed length: fewer distinct shapes, fewer compilations.
+    ids = np.zeros((batch, min(_bucket(longest, 32), max_len)), np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = model.init_cache(batch, max_len)
+    key, sub = jax.random.split(key)
+    tokens, cache = prefill(model, jnp.asarray(ids), jnp.asarray(lengths), cache, sub, sampling)
+    out: list[list[int]] = [[] for _ in prompts]
+    running = np.ones(batch, bool)
+    position = lengths.copy()
+    for step in range(max_new_tokens):
+        new = np.asarray(tokens)
+        stopped = np.isin(new, stops)
+        for b in np.flatnonzero(running & ~stopped):
+            out[b].append(int(new[b]))
+        running &= ~stopped
+        if callback is not None:
+            callback(new, running.copy())
+        # A sequence is done once prompt and generation fill the cache length.
+        running &= position + 1 < max_len
+        if step == max_new_tokens - 1 or not running.any():
+            break
+        key, sub = jax.random.split(key)
+        active = jnp.asarray(running.astype(np.int32))
+        tokens, cache = decode_step(model, jnp.asarray(new), active, cache, sub, sampling)
+        position += running
+    return out
+
+
+def _bucket(n: int, size: int) -> int:
+    return -(-n // size) * size

@@ -1,0 +1,150 @@
+"""The compressed KV cache: prefill + one-token decode steps equal one full forward, chunked
+prefill equals one prefill, per-sequence positions, no recompilation, cache sizes."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_reference import C, H, S, abstract, random_fill, tiny_config
+
+import equinox_dsv4 as ed
+
+
+CONFIGS = {
+    # window 8, CSA ratio 4, HCA ratio 8, index_topk 3, hc_mult 4, YaRN.
+    "flash_like": tiny_config(num_nextn_predict_layers=0),
+    # window 16 = HCA ratio 16, hc_mult 2, no YaRN, a period-1 CSA scan.
+    "pro_like": tiny_config(
+        layer_types=(H, C, C, C, H),
+        num_hash_layers=1,
+        hc_mult=2,
+        rope_scaling=None,
+        compress_rate_hca=16,
+        sliding_window=16,
+        index_topk=5,
+        num_nextn_predict_layers=0,
+    ),
+}
+LENGTH = 44
+# Prefill lengths below, at and above the ratio and window boundaries of each config.
+PREFILLS = {"flash_like": [1, 3, 8, 9, 17], "pro_like": [4, 16, 21]}
+
+
+@pytest.fixture(scope="module")
+def setups():
+    out = {}
+    for name, config in CONFIGS.items():
+        model = random_fill(abstract(ed.DeepseekV4, config), seed=len(out))
+        ids = np.random.default_rng(len(out)).integers(0, config.vocab_size, (2, LENGTH))
+        ids = jnp.asarray(ids, jnp.int32)
+        out[name] = model, ids, np.asarray(eqx.filter_jit(model)(ids))
+    return out
+
+
+@eqx.filter_jit
+def decode(model, ids, cache, num_tokens=None):
+    return model.decode(ids, cache, num_tokens)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_then_decode_equals_full_forward(setups, name):
+    model, ids, full = setups[name]
+    for k in PREFILLS[name]:
+        cache = model.init_cache(2, LENGTH)
+        logits, cache = decode(model, ids[:, :k], cache)
+        np.testing.assert_allclose(logits, full[:, :k], atol=1e-4, rtol=1e-4)
+        for t in range(k, LENGTH):
+            logits, cache = decode(model, ids[:, t : t + 1], cache)
+            np.testing.assert_allclose(
+                logits[:, 0], full[:, t], atol=1e-4, rtol=1e-4, err_msg=f"prefill {k}, step {t}"
+            )
+        np.testing.assert_array_equal(cache.positions, [LENGTH, LENGTH])
+
+
+def test_prefill_in_chunks_equals_one_prefill(setups):
+    model, ids, full = setups["flash_like"]
+    cache = model.init_cache(2, LENGTH)
+    for a, b in [(0, 5), (5, 13), (13, 30), (30, 31), (31, LENGTH)]:
+        logits, cache = decode(model, ids[:, a:b], cache)
+        np.testing.assert_allclose(logits, full[:, a:b], atol=1e-4, rtol=1e-4)
+    one = decode(model, ids, model.init_cache(2, LENGTH))[1]
+    for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(one), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_sequences_keep_their_own_positions(setups):
+    # Row 0 prefills 13 tokens, row 1 prefills 30, in one padded call; then they decode side by
+    # side at different positions. Each row must match its own full forward.
+    model, ids, full = setups["flash_like"]
+    lengths = np.array([13, 30])
+    padded = np.zeros((2, 30), np.int32)
+    padded[0, :13], padded[1] = ids[0, :13], ids[1, :30]
+    logits, cache = decode(
+        model, jnp.asarray(padded), model.init_cache(2, LENGTH), jnp.asarray(lengths, jnp.int32)
+    )
+    np.testing.assert_allclose(logits[0, :13], full[0, :13], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[1], full[1, :30], atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(cache.positions, lengths)
+    for step in range(10):
+        nxt = jnp.asarray([[ids[0, 13 + step]], [ids[1, 30 + step]]], jnp.int32)
+        logits, cache = decode(model, nxt, cache)
+        np.testing.assert_allclose(logits[0, 0], full[0, 13 + step], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits[1, 0], full[1, 30 + step], atol=1e-4, rtol=1e-4)
+    # A row with nothing to add keeps its state.
+    logits, after = decode(model, nxt, cache, jnp.asarray([0, 1], jnp.int32))
+    np.testing.assert_array_equal(after.positions, cache.positions + np.array([0, 1]))
+
+
+def test_decode_step_compiles_once(setups):
+    model, ids, _ = setups["flash_like"]
+
+    @eqx.filter_jit(donate="all-except-first")
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def step(model, token, cache):
+        logits, cache = model.decode(token, cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
+
+    cache = model.init_cache(2, 60)
+    _, cache = decode(model, ids[:, :5], cache)
+    token = ids[:, 5:6]
+    for _ in range(50):
+        token, cache = step(model, token, cache)
+    assert int(cache.positions[0]) == 55
+
+
+def test_cache_is_stacked_like_the_layers(setups):
+    model, _, _ = setups["flash_like"]
+    cache = model.init_cache(3, 64)
+    stack = model.layers[-1]
+    assert isinstance(stack, ed.LayerStack) and stack.repeats == 3
+    hca, csa = cache.layers[-1]
+    assert hca.ring.shape == (3, 3, 8, 32) and hca.indexer is None
+    assert hca.compressor.entries.shape == (3, 3, 64 // 8, 32)
+    assert csa.compressor.entries.shape == (3, 3, 64 // 4, 32)
+    assert csa.indexer.entries.shape == (3, 3, 64 // 4, 16)
+    assert csa.compressor.prev_kv.shape == (3, 3, 4, 32)
+    assert cache.layers[0].compressor is None  # sliding-only
+
+
+def test_decoding_past_max_len_is_an_error(setups):
+    model, ids, _ = setups["flash_like"]
+    cache = model.init_cache(2, 8)
+    _, cache = decode(model, ids[:, :8], cache)
+    with pytest.raises(Exception, match="max_len"):
+        jax.block_until_ready(decode(model, ids[:, 8:9], cache))
+    with pytest.raises(ValueError, match="positive"):
+        model.init_cache(2, 0)
+
+
+def test_cache_bytes_by_hand():
+    config = tiny_config()
+    per_token = ed.cache_bytes_per_token(config, jnp.float32)
+    assert per_token == {S: 0.0, C: (32 + 16) * 4 / 4, H: 32 * 4 / 8}
+    sizes = ed.cache_bytes(config, 64, batch=1, dtype=jnp.float32)
+    # What init_cache allocates (the float32 compressor buffers included).
+    model = abstract(ed.DeepseekV4, config)
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64, jnp.float32), model)
+    allocated = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    assert sizes["compressed"] == allocated - 4  # the positions counter is not cache
+    assert sizes["plain_mqa"] == 9 * 64 * 2 * 32 * 4
