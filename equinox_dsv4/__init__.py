@@ -47,8 +47,11 @@ from ._rope import RoPE as RoPE
 from ._sharding import (
     ShardingRules as ShardingRules,
     logical_axes as logical_axes,
+    make_mesh as make_mesh,
     named_shardings as named_shardings,
     partition_specs as partition_specs,
+    shard as shard,
+    shard_cache as shard_cache,
 )
 
 

@@ -23,13 +23,16 @@ from ._cache import LayerCache
 from ._compressor import CSACompressor, HCACompressor
 from ._config import CSA, HCA, SLIDING, Config
 from ._indexer import LightningIndexer, visible_blocks
-from ._layers import Linear, RMSNorm, einsum_f32, f32, lead, rms_normalize
+from ._layers import Linear, RMSNorm, einsum_f32, f32, lead, map_chunks, rms_normalize
 from ._rope import RoPE
 
 
 # Chunks of at most this many queries gather the indexer's picks; longer ones (prefill) use a
 # dense mask over all entries, which is cheaper per query when the chunk is long.
 GATHER_MAX_QUERIES = 16
+# Query blocks (of `window` queries) attended per step of a long chunk: bounds the logits held
+# at once to `BLOCKS_PER_STEP * window` queries.
+BLOCKS_PER_STEP = 4
 
 
 def _rows(x: Array, index: Array) -> Array:
@@ -89,40 +92,50 @@ def attend(
     j = np.arange(keys.shape[2])[None, :]
     in_window = jnp.asarray((i < j) & (j <= i + w))[None, None, None]
     scale = k**-0.5
-
-    logits = einsum_f32("bnqhk,bntk->bnhqt", qb, keys)
-    logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
     sink = lead(f32(sinks)[:, None], 4)  # [1, 1, h, 1]
-    top = jnp.maximum(jnp.max(logits, axis=-1), sink)
 
     def blocked(x):  # [b, t, ...] -> [b, nb, bq, ...]
         x = jnp.pad(x, ((0, 0), (0, nb * bq - t)) + ((0, 0),) * (x.ndim - 2))
         return x.reshape(b, nb, bq, *x.shape[2:])
 
-    extra = None
-    if compressed is not None and compressed.shape[1] > 0:
-        if compressed_picks is not None:
-            picked = blocked(_rows(compressed, jnp.maximum(compressed_picks, 0)))
-            c_logits = einsum_f32("bnqhk,bnqjk->bnhqj", qb, picked)
-            c_valid = blocked(compressed_picks >= 0)[:, :, None]
-            values = ("bnhqj,bnqjk->bnqhk", picked)
-        else:
-            assert compressed_mask is not None
+    # Per block: the compressed keys it may attend to and which are visible.
+    use_compressed = compressed is not None and compressed.shape[1] > 0
+    if use_compressed and compressed_picks is not None:
+        assert compressed is not None
+        c_keys = blocked(_rows(compressed, jnp.maximum(compressed_picks, 0)))
+        c_valid = blocked(compressed_picks >= 0)
+    elif use_compressed:
+        assert compressed_mask is not None
+        c_keys, c_valid = None, blocked(compressed_mask)
+    else:
+        c_keys, c_valid = None, jnp.zeros((b, nb, bq, 0), jnp.bool_)
+
+    def blocks(qb, keys, valid, c_valid, *c_keys):
+        logits = einsum_f32("bnqhk,bntk->bnhqt", qb, keys)
+        logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
+        top = jnp.maximum(jnp.max(logits, axis=-1), sink)
+        if c_keys:  # picked entries, one set per query
+            c_logits = einsum_f32("bnqhk,bnqjk->bnhqj", qb, c_keys[0])
+        elif use_compressed:
             c_logits = einsum_f32("bnqhk,bmk->bnhqm", qb, compressed)
-            c_valid = blocked(compressed_mask)[:, :, None]
-            values = ("bnhqm,bmk->bnqhk", compressed)
-        c_logits = jnp.where(c_valid, c_logits * scale, -jnp.inf)
-        top = jnp.maximum(top, jnp.max(c_logits, axis=-1))
-        extra = c_logits, values
-    probs = jnp.exp(logits - top[..., None])
-    denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - top)
-    out = einsum_f32("bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys)
-    if extra is not None:
-        c_logits, (spec, c_values) = extra
-        c_probs = jnp.exp(c_logits - top[..., None])
-        denom = denom + jnp.sum(c_probs, axis=-1)
-        out = out + einsum_f32(spec, c_probs.astype(kv.dtype), c_values)
-    out = out / jnp.transpose(denom, (0, 1, 3, 2))[..., None]
+        if use_compressed:
+            c_logits = jnp.where(c_valid[:, :, None], c_logits * scale, -jnp.inf)
+            top = jnp.maximum(top, jnp.max(c_logits, axis=-1))
+        probs = jnp.exp(logits - top[..., None])
+        denom = jnp.sum(probs, axis=-1) + jnp.exp(sink - top)
+        out = einsum_f32("bnhqt,bntk->bnqhk", probs.astype(kv.dtype), keys)
+        if use_compressed:
+            c_probs = jnp.exp(c_logits - top[..., None])
+            denom = denom + jnp.sum(c_probs, axis=-1)
+            if c_keys:
+                c_out = einsum_f32("bnhqj,bnqjk->bnqhk", c_probs.astype(kv.dtype), c_keys[0])
+            else:
+                c_out = einsum_f32("bnhqm,bmk->bnqhk", c_probs.astype(kv.dtype), compressed)
+            out = out + c_out
+        return out / jnp.transpose(denom, (0, 1, 3, 2))[..., None]
+
+    inputs = (qb, keys, valid, c_valid) + ((c_keys,) if c_keys is not None else ())
+    out = map_chunks(blocks, inputs, BLOCKS_PER_STEP)
     return out.reshape(b, nb * bq, h, k)[:, :t].astype(q.dtype)
 
 
@@ -169,11 +182,13 @@ class Attention(eqx.Module):
         self.wq_a = Linear(d, config.q_lora_rank, ("q_lora", "embed"), key=keys[0], dtype=dtype)
         self.q_norm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = Linear(
-            config.q_lora_rank, h * k, ("heads_x_dim", "q_lora"), key=keys[1], dtype=dtype
+            config.q_lora_rank, h * k, ("heads_x_dim", "q_lora_in"), key=keys[1], dtype=dtype
         )
         self.wkv = Linear(d, k, ("head_dim", "embed"), key=keys[2], dtype=dtype)
         self.kv_norm = RMSNorm(k, config.rms_norm_eps)
-        self.wo_a = Linear(h * k // g, g * o, ("groups_x_rank", None), key=keys[3], dtype=dtype)
+        self.wo_a = Linear(
+            h * k // g, g * o, ("groups_x_rank", "group_in"), key=keys[3], dtype=dtype
+        )
         self.wo_b = Linear(g * o, d, ("embed", "groups_x_rank"), key=keys[4], dtype=dtype)
         self.attn_sink = jnp.zeros((h,), jnp.float32)
         if layer_type == SLIDING:

@@ -6,6 +6,7 @@ position in the cache (no left padding, which would shift the position-based com
 windows), and a finished sequence stops advancing.
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -13,10 +14,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import KVCache
 from ._model import DeepseekV4
+from ._sharding import shard_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +77,8 @@ def prefill(
 ) -> tuple[Int[Array, " batch"], KVCache]:
     """Run the prompts (row `b`: its first `lengths[b]` tokens) and sample each one's next
     token. **Returns:** `(tokens, cache)`."""
-    logits, cache = model.decode(ids, cache, lengths)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return sample(last, key, sampling), cache
+    logits, cache = model.decode(ids, cache, lengths, last_only=True)
+    return sample(logits[:, 0], key, sampling), cache
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -146,9 +148,25 @@ def generate(
         ids[b, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     cache = model.init_cache(batch, max_len)
+    mesh = _mesh_of(model)
+    if mesh is not None:
+        cache = shard_cache(cache, mesh)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _run(
+            model, ids, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
+        )
+
+
+def _mesh_of(model: DeepseekV4) -> Mesh | None:
+    sharding = getattr(model.embed.weight, "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
+
+
+def _run(model, ids, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback):
     key, sub = jax.random.split(key)
     tokens, cache = prefill(model, jnp.asarray(ids), jnp.asarray(lengths), cache, sub, sampling)
-    out: list[list[int]] = [[] for _ in prompts]
+    batch = len(lengths)
+    out: list[list[int]] = [[] for _ in range(batch)]
     running = np.ones(batch, bool)
     position = lengths.copy()
     for step in range(max_new_tokens):

@@ -18,8 +18,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import CompressorState
 from ._compressor import CSACompressor
 from ._config import Config
-from ._layers import Linear, einsum_f32
+from ._layers import Linear, einsum_f32, map_chunks
 from ._rope import RoPE
+
+
+# Queries scored per step of a long chunk (bounds the [queries, heads, keys] scores).
+QUERIES_PER_STEP = 512
 
 
 def visible_blocks(positions: Int[Array, "*batch"], ratio: int) -> Int[Array, "*batch"]:
@@ -49,7 +53,7 @@ class LightningIndexer(eqx.Module):
         self.wq_b = Linear(
             config.q_lora_rank,
             self.n_heads * self.head_dim,
-            (None, "q_lora"),
+            (None, "q_lora_in"),
             key=q_key,
             dtype=dtype,
         )
@@ -86,12 +90,17 @@ class LightningIndexer(eqx.Module):
         may not see (order unspecified)."""
         if keys.shape[1] == 0:
             return jnp.zeros((*positions.shape, 0), jnp.int32)
-        scores = self.scores(x, qr, keys, positions)
-        visible = visible_blocks(positions, self.ratio)[..., None]
-        entry = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), scores.shape)
-        scores = jnp.where(entry < visible, scores, -jnp.inf)
-        _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
-        return jnp.where(picked < visible, picked, -1).astype(jnp.int32)
+
+        def chunk(x, qr, positions):
+            scores = self.scores(x, qr, keys, positions)
+            visible = visible_blocks(positions, self.ratio)[..., None]
+            entry = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), scores.shape)
+            scores = jnp.where(entry < visible, scores, -jnp.inf)
+            _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
+            return jnp.where(picked < visible, picked, -1).astype(jnp.int32)
+
+        # In chunks of queries: the scores before the head sum are [queries, heads, keys].
+        return map_chunks(chunk, (x, qr, positions), QUERIES_PER_STEP)
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], qr: Float[Array, "batch seq q_lora"]

@@ -6,6 +6,7 @@ every model-level module here carries an explicit batch axis.
 
 import functools
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -45,6 +46,27 @@ def lead(a: Array, ndim: int) -> Array:
     return a.reshape((1,) * (ndim - a.ndim) + a.shape)
 
 
+def map_chunks(fn, arrays: tuple[Array, ...], size: int) -> Any:
+    """`fn(*arrays)` computed in chunks of `size` along axis 1 (one `lax.map` step each), for
+    arrays `[batch, n, ...]`; `fn` must treat the entries along axis 1 independently. Bounds
+    the memory of per-query intermediates (attention logits, index scores) on long chunks."""
+    n = arrays[0].shape[1]
+    if n <= size:
+        return fn(*arrays)
+    chunks = -(-n // size)
+
+    def split(a):
+        a = jnp.pad(a, ((0, 0), (0, chunks * size - n)) + ((0, 0),) * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(a.shape[0], chunks, size, *a.shape[2:]), 1, 0)
+
+    def join(a):
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape(a.shape[0], chunks * size, *a.shape[3:])[:, :n]
+
+    out = jax.lax.map(lambda chunk: fn(*chunk), tuple(split(a) for a in arrays))
+    return jax.tree.map(join, out)
+
+
 def _normalized(x: Array, eps: float) -> Array:
     xf = f32(x)
     # rsqrt rather than 1/sqrt: it is what both references evaluate and rounds differently.
@@ -57,11 +79,14 @@ def rms_normalize(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*b
 
 
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
-    """`jnp.einsum(spec, a, b)` accumulated in and returned as float32.
+    """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32.
 
     With bfloat16 operands this equals the float32 product of the upcast operands (bf16
-    products are exact in float32). XLA:CPU lacks a bf16 x bf16 -> f32 dot for some layouts
-    ("Unsupported element type for DotThunk"), so there the operands are upcast first.
+    products are exact in float32). XLA:CPU lacks a bf16 x bf16 -> f32 dot for some of the
+    attention's layouts ("Unsupported element type for DotThunk"), so there the operands are
+    upcast first. Not for weights: a convert of a scanned stack's weight gets hoisted out of the
+    layer loop, a float32 copy of the whole stack (`linear` and the experts' matmuls take the
+    `preferred_element_type` path, which XLA:CPU supports for their layouts).
     """
     if min(a.dtype.itemsize, b.dtype.itemsize) < 4 and jax.default_backend() == "cpu":
         a, b = f32(a), f32(b)
@@ -76,8 +101,6 @@ def linear(
         # Explicit widening (strict dtype promotion has no bf16/f32 lattice).
         common = max(x.dtype, weight.dtype, key=lambda t: t.itemsize)
         x, weight = x.astype(common), weight.astype(common)
-    if dtype is not None and jnp.dtype(dtype) == jnp.float32:
-        return einsum_f32("...i,oi->...o", x, weight)
     out_dtype = x.dtype if dtype is None else dtype
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
 

@@ -13,6 +13,7 @@ from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
+from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
 
 
@@ -66,9 +67,14 @@ class LayerStack(eqx.Module):
 
         def period(x, layer):
             blocks, caches = layer
+            # This layer's slice of the stacked weights, fixed here: otherwise XLA may move a
+            # conversion (e.g. XLA:CPU's bf16 -> f32 before a dot) in front of the slicing and
+            # out of the loop, materialising a converted copy of the whole stack.
+            blocks = jax.lax.optimization_barrier(blocks)
             new = []
             for block, cache in zip(blocks, caches, strict=True):
                 x, cache = block.step(x, ids, start, count, cache)
+                x = constrain_batch(x)
                 new.append(cache)
             return x, tuple(new)
 
@@ -230,7 +236,9 @@ class DeepseekV4(eqx.Module):
         input_ids: Int[Array, "batch chunk"],
         cache: KVCache,
         num_tokens: Int[Array, " batch"] | None = None,
-    ) -> tuple[Float[Array, "batch chunk vocab"], KVCache]:
+        *,
+        last_only: bool = False,
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         """Append a chunk of tokens to each sequence in `cache` (a whole prompt, or one token)
         and return their logits.
 
@@ -242,6 +250,8 @@ class DeepseekV4(eqx.Module):
         - `num_tokens`: how many of each row's tokens are real (default: all). The rest is
           padding: its logits are meaningless and nothing of it is cached, so prompts of
           different lengths share one call.
+        - `last_only`: return only each row's last real token's logits, `[batch, 1, vocab]`
+          (a prefill needs no more; the head over a whole long prompt is large).
 
         **Returns:** `(logits, cache)`: float32 `[batch, chunk, vocab]` and the updated cache.
         Fixed shapes: decoding step after step never recompiles. Appending past `max_len` is a
@@ -251,18 +261,26 @@ class DeepseekV4(eqx.Module):
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
         x, cache = self._forward(input_ids, cache, count)
+        if last_only:
+            last = jnp.maximum(count - 1, 0)[:, None, None, None]
+            x = jnp.take_along_axis(x, last, axis=1)
         return self.logits(x), cache
 
     def _forward(
         self, input_ids: Int[Array, "batch chunk"], cache: KVCache, count: Int[Array, " batch"]
     ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache]:
-        start = eqx.error_if(
-            cache.positions,
-            (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1]),
+        bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1])
+        # Checked on a scalar, so that the check does not pull the (sharded) positions through
+        # a single-device conditional.
+        ok = eqx.error_if(
+            jnp.zeros((), jnp.int32),
+            jnp.any(bad),
             "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
         )
+        start = cache.positions + ok
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
+        x = constrain_batch(x)
         new = []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             if isinstance(layer, LayerStack):
@@ -271,6 +289,7 @@ class DeepseekV4(eqx.Module):
                 )
             else:
                 x, layer_cache = layer.step(x, input_ids, start, count, layer_cache)
+            x = constrain_batch(x)
             new.append(layer_cache)
         return x, KVCache(tuple(new), start + count, cache.max_len)
 

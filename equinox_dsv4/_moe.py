@@ -17,11 +17,17 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._layers import Linear, einsum_f32, f32, init_normal, lead, linear
+from ._layers import Linear, f32, init_normal, lead, linear
+from ._parallel import batch_axes, mesh_axis
+
+
+# Up to this many expert blocks (decoding, small batches) the block loop is unrolled.
+UNROLL_BLOCKS = 128
 
 
 def swiglu(
@@ -128,46 +134,127 @@ class Experts(eqx.Module):
         """**Arguments:** the normed tokens, their chosen experts and float32 routing weights.
 
         **Returns:** `sum_j weights[:, j] * expert_{indices[:, j]}(x)`, accumulated in float32
-        and returned in float32.
+        and returned in float32. Under a mesh with an `expert` axis each device computes its
+        own experts' share (see `expert_parallel`).
         """
-        tokens, top_k = indices.shape
-        n_experts = self.w1.shape[0]
-        rows = tokens * top_k
-        # Block size: about one block per expert at this load, a power of two in [1, 256]. Each
-        # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
-        block = 1 << max(0, min(8, math.ceil(math.log2(max(1, rows // n_experts)))))
-        n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
+        if mesh_axis("expert") > 1:
+            return expert_parallel(self, x, indices, weights)
+        return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit)
 
-        expert = indices.reshape(rows)
-        order = jnp.argsort(expert, stable=True)
-        expert_sorted = expert[order]
-        token_sorted = order // top_k
-        counts = jnp.bincount(expert, length=n_experts)
-        padded = -(-counts // block) * block
-        padded_end = jnp.cumsum(padded)
-        # Row r of the sorted assignments goes to its expert's padded group, in order.
-        rank = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[expert_sorted]
-        dest = (padded_end - padded)[expert_sorted] + rank
-        xs = jnp.zeros((n_blocks * block, x.shape[-1]), x.dtype).at[dest].set(x[token_sorted])
-        ws = jnp.zeros((n_blocks * block,), jnp.float32).at[dest].set(weights.reshape(rows)[order])
-        block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
-        block_expert = jnp.minimum(block_expert, n_experts - 1)
 
-        def run_block(_, inputs):
-            xb, wb, e = inputs
-            g = einsum_f32("bd,id->bi", xb, self.w1[e])
-            u = einsum_f32("bd,id->bi", xb, self.w3[e])
-            # The routing weight is applied before w2, in float32, as in the official code.
-            h = (swiglu(g, u, self.limit) * wb[:, None]).astype(x.dtype)
-            return None, einsum_f32("bi,di->bd", h, self.w2[e])
+def dispatch(
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+    w1: Float[Array, "experts inter d_model"],
+    w2: Float[Array, "experts d_model inter"],
+    w3: Float[Array, "experts inter d_model"],
+    limit: float,
+) -> Float[Array, "tokens d_model"]:
+    """Routed experts for the (token, expert) assignments, computed only where assigned.
 
-        _, ys = jax.lax.scan(
-            run_block,
-            None,
-            (xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block), block_expert),
-        )
-        ys = ys.reshape(n_blocks * block, -1)[dest]
-        return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+    Assignments are sorted by expert and laid out in blocks of one expert each (each expert's
+    group padded to whole blocks); each block is one matmul with its expert's weights. An
+    assignment to expert `len(w1)` (out of range) is dropped. Few blocks (decoding) are
+    unrolled, so their work is visible to XLA's cost analysis; many (prefill) run in a scan.
+    """
+    tokens, top_k = indices.shape
+    n_experts = w1.shape[0]
+    rows = tokens * top_k
+    # Block size: about one block per expert at this load, a power of two in [1, 256]. Each
+    # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
+    block = 1 << max(0, min(8, math.ceil(math.log2(max(1, rows // n_experts)))))
+    n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
+
+    expert = indices.reshape(rows)
+    order = jnp.argsort(expert, stable=True)
+    expert_sorted = expert[order]
+    token_sorted = order // top_k
+    counts = jnp.bincount(expert, length=n_experts)  # the dropped expert is not counted
+    padded = -(-counts // block) * block
+    padded_end = jnp.cumsum(padded)
+    # Row r of the sorted assignments goes to its expert's padded group, in order.
+    safe = jnp.minimum(expert_sorted, n_experts - 1)
+    rank = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[safe]
+    dest = jnp.where(
+        expert_sorted < n_experts, (padded_end - padded)[safe] + rank, n_blocks * block
+    )
+    xs = (
+        jnp.zeros((n_blocks * block, x.shape[-1]), x.dtype)
+        .at[dest]
+        .set(x[token_sorted], mode="drop")
+    )
+    ws = (
+        jnp.zeros((n_blocks * block,), jnp.float32)
+        .at[dest]
+        .set(weights.reshape(rows)[order], mode="drop")
+    )
+    block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
+    block_expert = jnp.minimum(block_expert, n_experts - 1)
+
+    def run_block(xb, wb, e):
+        g = linear(xb, w1[e], dtype=jnp.float32)
+        u = linear(xb, w3[e], dtype=jnp.float32)
+        # The routing weight is applied before w2, in float32, as in the official code.
+        h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
+        return linear(h, w2[e], dtype=jnp.float32)
+
+    xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
+    if n_blocks <= UNROLL_BLOCKS:
+        ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
+    else:
+        ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
+    ys = ys.reshape(n_blocks * block, -1)[jnp.minimum(dest, n_blocks * block - 1)]
+    ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
+    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+
+
+def expert_parallel(
+    experts: Experts,
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+) -> Float[Array, "tokens d_model"]:
+    """The routed experts on a mesh with an `expert` axis: each device holds
+    `experts / mesh["expert"]` of them and computes the assignments of its tokens (split over
+    the batch axes, replicated over `expert` and `tensor`) to those, with hidden units split
+    over `tensor` when it divides them; the partial outputs are summed over both axes. This is
+    the official inference code's expert parallelism, as a `shard_map`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    inter, dim = experts.w1.shape[1:]
+    tensor = "tensor" if mesh_axis("tensor") > 1 and inter % mesh_axis("tensor") == 0 else None
+    # The weights enter in their stored layout (`d_model` split over fsdp, see ShardingRules)
+    # and are gathered here, one layer at a time: a layout change demanded at the boundary
+    # would be applied to a scanned stack's whole weight, before the loop.
+    fsdp = "fsdp" if mesh_axis("fsdp") > 1 and dim % mesh_axis("fsdp") == 0 else None
+    tokens = batch_axes(x.shape[0])
+    reduce = ("expert",) + ((tensor,) if tensor else ())
+
+    def gather(w, axis):
+        return jax.lax.all_gather(w, fsdp, axis=axis, tiled=True) if fsdp else w
+
+    def local(x, indices, weights, w1, w2, w3):
+        w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)
+        first = jax.lax.axis_index("expert") * w1.shape[0]
+        mine = (indices >= first) & (indices < first + w1.shape[0])
+        local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
+        y = dispatch(x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit)
+        return jax.lax.psum(y, reduce)
+
+    row = P(tokens, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            row,
+            row,
+            row,
+            P("expert", tensor, fsdp),
+            P("expert", fsdp, tensor),
+            P("expert", tensor, fsdp),
+        ),
+        out_specs=row,
+    )(x, indices, weights, experts.w1, experts.w2, experts.w3)
 
 
 class SharedExpert(eqx.Module):

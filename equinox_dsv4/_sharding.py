@@ -5,6 +5,12 @@ Each module declares the logical axes of its array fields (`param_axes(name)`, e
 axis. `ShardingRules` maps logical names to mesh axis names; a logical axis whose mesh axis is
 absent from the mesh, or whose size the mesh axis does not divide, is replicated. One mesh axis
 may appear at most once in a spec.
+
+Meshes have up to four axes: `data` and `fsdp` split the batch (`fsdp` also splits the weights'
+`embed` dims, gathered layer by layer), `tensor` splits heads, the grouped output projection,
+the vocabulary and hidden MLP units, `expert` splits the routed experts (see
+`_moe.expert_parallel`). Run a sharded model under `with jax.set_mesh(mesh):` so that the forward
+pass sees the mesh: activations are constrained to the batch axes at every block boundary.
 """
 
 import dataclasses
@@ -15,7 +21,9 @@ import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._cache import KVCache
 from ._model import DeepseekV4, LayerStack
+from ._parallel import batch_axes
 
 
 # logical axis -> mesh axis (or None). The mesh axes are conventionally "data", "fsdp",
@@ -26,6 +34,9 @@ DEFAULT_RULES: dict[str, str | None] = {
     "embed": "fsdp",
     "embed_out": "tensor",
     "q_lora": None,
+    # Weights with no `embed` dim are split over fsdp along their input dim.
+    "q_lora_in": "fsdp",
+    "group_in": "fsdp",
     "heads_x_dim": "tensor",
     "heads": "tensor",
     "head_dim": None,
@@ -68,6 +79,50 @@ class ShardingRules:
                 f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
             )
         return PartitionSpec(*entries)
+
+
+def make_mesh(
+    *, data: int = 1, fsdp: int = 1, tensor: int = 1, expert: int = 1, devices: Any = None
+) -> Mesh:
+    """A `(data, fsdp, tensor, expert)` mesh over `devices` (default: all), with automatic
+    axis types (the partitioner propagates shardings)."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = (data, fsdp, tensor, expert)
+    if any(n < 1 for n in shape) or data * fsdp * tensor * expert != len(devices):
+        raise ValueError(
+            f"mesh data={data} x fsdp={fsdp} x tensor={tensor} x expert={expert} does not match "
+            f"{len(devices)} devices"
+        )
+    return jax.make_mesh(
+        shape,
+        ("data", "fsdp", "tensor", "expert"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 4,
+        devices=devices,
+    )
+
+
+def shard(model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None) -> DeepseekV4:
+    """Place every weight of `model` by the rules (`eqx.filter_shard`)."""
+    return eqx.filter_shard(model, named_shardings(model, mesh, rules))
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """A pytree like `cache` with the `NamedSharding` of every array: split along its batch axis
+    over the batch mesh axes (`data`, `fsdp`), like the activations."""
+    with jax.set_mesh(mesh):
+        axes = batch_axes(cache.positions.shape[0])
+
+    def sharding(path, _):
+        # `.layers[i][p]...`: a scanned stack's cache, with a leading layer axis.
+        stacked = len(path) > 2 and isinstance(path[2], jax.tree_util.SequenceKey)
+        return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, axes))
+
+    return jax.tree_util.tree_map_with_path(sharding, cache)
+
+
+def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Place a decoding cache on `mesh` (see `cache_shardings`)."""
+    return jax.tree.map(jax.device_put, cache, cache_shardings(cache, mesh))
 
 
 def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:

@@ -148,3 +148,17 @@ def test_cache_bytes_by_hand():
     allocated = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
     assert sizes["compressed"] == allocated - 4  # the positions counter is not cache
     assert sizes["plain_mqa"] == 9 * 64 * 2 * 32 * 4
+
+
+def test_last_only_logits(setups):
+    model, ids, full = setups["flash_like"]
+    lengths = jnp.asarray([7, 30], jnp.int32)
+    logits, _ = decode_last(model, ids[:, :30], model.init_cache(2, LENGTH), lengths)
+    assert logits.shape == (2, 1, model.config.vocab_size)
+    np.testing.assert_allclose(logits[0, 0], full[0, 6], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[1, 0], full[1, 29], atol=1e-4, rtol=1e-4)
+
+
+@eqx.filter_jit
+def decode_last(model, ids, cache, num_tokens):
+    return model.decode(ids, cache, num_tokens, last_only=True)

@@ -1,0 +1,177 @@
+"""python -m equinox_dsv4.compile: compile a full-size prefill and decode step without weights.
+
+Builds the model abstractly (`eqx.filter_eval_shape`, nothing allocated), places it on a mesh
+of N devices (simulated CPU devices unless real ones exist) by the sharding rules, lowers and
+compiles a prefill of `--prefill` tokens and one decode step with the compressed KV cache, and
+prints XLA's per-device memory analysis (arguments, outputs, temporaries, generated code), the
+cost analysis FLOPs and the compile times. This is how to check that a model and mesh fit before
+renting the hardware.
+
+    python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
+"""
+
+import argparse
+import json
+import sys
+import time
+
+
+MODELS = ("v4-flash", "v4-pro", "tiny")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        name, _, size = part.partition("=")
+        if name not in ("data", "fsdp", "tensor", "expert") or not size.isdigit():
+            raise ValueError(f"bad --mesh entry {part!r}: use data=N,fsdp=N,tensor=N,expert=N")
+        out[name] = int(size)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m equinox_dsv4.compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", choices=MODELS, default="v4-flash")
+    parser.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
+    parser.add_argument("--mesh", default="fsdp=8,expert=8", help="e.g. fsdp=8,expert=8")
+    parser.add_argument("--prefill", type=int, default=4096, help="prefill tokens per sequence")
+    parser.add_argument("--batch", type=int, help="sequences (default: data x fsdp)")
+    parser.add_argument("--max-len", type=int, help="cache length (default: prefill + 256)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--mtp", action="store_true", help="include the MTP block's weights")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    try:
+        mesh_shape = parse_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(str(e))
+
+    import jax
+
+    # Before any backend starts: this many simulated CPU devices.
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    try:
+        results = run(args, mesh_shape)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def run(args: argparse.Namespace, mesh_shape: dict[str, int]) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import equinox_dsv4 as ed
+    from equinox_dsv4._parallel import batch_axes
+
+    config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro, "tiny": ed.Config.tiny}[
+        args.model
+    ]()
+    if not args.mtp:
+        config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
+    devices = jax.devices()[: args.devices]
+    if len(devices) < args.devices:
+        raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
+    mesh = ed.make_mesh(**mesh_shape, devices=devices)
+    batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
+    max_len = args.max_len or args.prefill + 256
+    dtype = jnp.dtype(args.dtype)
+
+    t0 = time.perf_counter()
+    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    shardings = ed.named_shardings(model, mesh)
+    model = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), model, shardings
+    )
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
+    cache = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        cache,
+        ed._sharding.cache_shardings(cache, mesh),
+    )
+    param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model))
+    build = time.perf_counter() - t0
+    with jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, PartitionSpec(batch_axes(batch), None))
+
+    def step(model, ids, cache):
+        # As `generate` runs them: a prefill needs only the last position's logits.
+        return model.decode(ids, cache, last_only=ids.shape[1] > 1)
+
+    results = {
+        "model": args.model,
+        "devices": args.devices,
+        "mesh": dict(mesh.shape),
+        "batch": batch,
+        "max_len": max_len,
+        "dtype": args.dtype,
+        "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model)),
+        "parameter_bytes": param_bytes,
+        "parameter_bytes_per_device_ideal": param_bytes / args.devices,
+        "build_seconds": build,
+        "phases": {},
+    }
+    print(
+        f"{args.model}: {results['parameters'] / 1e9:.2f} B parameters, "
+        f"{param_bytes / 2**30:.1f} GiB in {args.dtype}; mesh {dict(mesh.shape)}; "
+        f"batch {batch}, cache {max_len} tokens",
+        file=sys.stderr,
+    )
+    for phase, tokens in (("prefill", args.prefill), ("decode", 1)):
+        ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis() or {}
+        row = {
+            "tokens_per_sequence": tokens,
+            "trace_lower_seconds": t1 - t0,
+            "compile_seconds": t2 - t1,
+            "argument_bytes": memory.argument_size_in_bytes,
+            "output_bytes": memory.output_size_in_bytes,
+            "alias_bytes": memory.alias_size_in_bytes,
+            "temp_bytes": memory.temp_size_in_bytes,
+            "generated_code_bytes": memory.generated_code_size_in_bytes,
+            "flops": cost.get("flops"),
+        }
+        results["phases"][phase] = row
+    _print_table(results)
+    return results
+
+
+def _print_table(results: dict) -> None:
+    gib = 2**30
+    ideal = results["parameter_bytes_per_device_ideal"]
+    print(
+        "| phase | trace + lower | compile | arguments / device | (params / devices) "
+        "| temporaries / device | outputs / device | code | FLOPs / device |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for phase, r in results["phases"].items():
+        flops = f"{r['flops']:.3g}" if r["flops"] else "n/a"
+        print(
+            f"| {phase} ({r['tokens_per_sequence']} tok) | {r['trace_lower_seconds']:.1f} s "
+            f"| {r['compile_seconds']:.1f} s | {r['argument_bytes'] / gib:.2f} GiB "
+            f"| {ideal / gib:.2f} GiB (x{r['argument_bytes'] / ideal:.2f}) "
+            f"| {r['temp_bytes'] / gib:.2f} GiB | {r['output_bytes'] / gib:.2f} GiB "
+            f"| {r['generated_code_bytes'] / 2**20:.1f} MiB | {flops} |"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
