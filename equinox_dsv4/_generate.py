@@ -67,18 +67,43 @@ def sample(
 
 
 @eqx.filter_jit(donate="all-except-first")
-def prefill(
+def _prefill_chunk(
     model: DeepseekV4,
     ids: Int[Array, "batch chunk"],
+    count: Int[Array, " batch"],
+    cache: KVCache,
+) -> tuple[Float[Array, "batch vocab"], KVCache]:
+    logits, cache = model.decode(ids, cache, count, last_only=True)
+    return logits[:, 0], cache
+
+
+_sample = eqx.filter_jit(sample)
+
+
+def prefill(
+    model: DeepseekV4,
+    ids: Int[Array, "batch seq"],
     lengths: Int[Array, " batch"],
     cache: KVCache,
     key: PRNGKeyArray,
     sampling: Sampling,
+    chunk: int = 512,
 ) -> tuple[Int[Array, " batch"], KVCache]:
-    """Run the prompts (row `b`: its first `lengths[b]` tokens) and sample each one's next
-    token. **Returns:** `(tokens, cache)`."""
-    logits, cache = model.decode(ids, cache, lengths, last_only=True)
-    return sample(logits[:, 0], key, sampling), cache
+    """Run the prompts (row `b`: its first `lengths[b]` tokens) in chunks of `chunk` tokens
+    (one compiled step whatever the prompt length; activations bounded by the chunk) and
+    sample each one's next token. **Returns:** `(tokens, cache)`."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    last = None
+    for start in range(0, ids.shape[1], chunk):
+        part = ids[:, start : start + chunk]
+        if part.shape[1] < chunk and start > 0:
+            part = jnp.pad(part, ((0, 0), (0, chunk - part.shape[1])))
+        count = jnp.clip(lengths - start, 0, part.shape[1])
+        ends_here = ((count > 0) & (start + count == lengths))[:, None]
+        logits, cache = _prefill_chunk(model, part, count, cache)  # donates count and cache
+        last = logits if last is None else jnp.where(ends_here, logits, last)
+    assert last is not None
+    return _sample(last, key, sampling), cache
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -105,6 +130,7 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     max_len: int | None = None,
     callback: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    prefill_chunk: int = 512,
 ) -> list[list[int]]:
     """Generate continuations of a batch of prompts.
 
@@ -121,6 +147,7 @@ def generate(
       prompt plus generated tokens reach it.
     - `callback`: called after every step with the new tokens `[batch]` and which rows are
       still running (for streaming).
+    - `prefill_chunk`: prompts are run in chunks of this many tokens (see `prefill`).
 
     **Returns:** the generated ids per prompt, without the prompt.
     """
@@ -148,12 +175,22 @@ def generate(
         ids[b, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     cache = model.init_cache(batch, max_len)
+    key, prefill_key = jax.random.split(key)
     mesh = _mesh_of(model)
     if mesh is not None:
         cache = shard_cache(cache, mesh)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _run(
-            model, ids, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
+        tokens, cache = prefill(
+            model,
+            jnp.asarray(ids),
+            jnp.asarray(lengths),
+            cache,
+            prefill_key,
+            sampling,
+            prefill_chunk,
+        )
+        return _decode_loop(
+            model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
         )
 
 
@@ -162,9 +199,9 @@ def _mesh_of(model: DeepseekV4) -> Mesh | None:
     return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
-def _run(model, ids, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback):
-    key, sub = jax.random.split(key)
-    tokens, cache = prefill(model, jnp.asarray(ids), jnp.asarray(lengths), cache, sub, sampling)
+def _decode_loop(
+    model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
+):
     batch = len(lengths)
     out: list[list[int]] = [[] for _ in range(batch)]
     running = np.ones(batch, bool)

@@ -183,3 +183,10 @@ def test_example_script_errors(args, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_chunked_prefill_gives_the_same_generation(pair):
+    _, ours = pair
+    prompts = [list(range(2, 40)), list(range(5, 20))]
+    whole = ed.generate(ours, prompts, max_new_tokens=6)
+    assert ed.generate(ours, prompts, max_new_tokens=6, prefill_chunk=8) == whole
