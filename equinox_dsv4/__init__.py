@@ -1,5 +1,6 @@
 """DeepSeek-V4 (Flash / Pro) in JAX + Equinox."""
 
+from . import train as train  # the namespace `equinox_dsv4.train`
 from ._attention import Attention as Attention, attend as attend
 from ._block import Block as Block
 from ._cache import (
@@ -40,8 +41,19 @@ from ._generate import (
 from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead
 from ._indexer import LightningIndexer as LightningIndexer
 from ._layers import Embedding as Embedding, Linear as Linear, RMSNorm as RMSNorm
-from ._model import DeepseekV4 as DeepseekV4, LayerStack as LayerStack, MTPBlock as MTPBlock
-from ._moe import Experts as Experts, Gate as Gate, MoE as MoE, SharedExpert as SharedExpert
+from ._model import (
+    REMAT_POLICIES as REMAT_POLICIES,
+    DeepseekV4 as DeepseekV4,
+    LayerStack as LayerStack,
+    MTPBlock as MTPBlock,
+)
+from ._moe import (
+    Experts as Experts,
+    Gate as Gate,
+    MoE as MoE,
+    RouterStats as RouterStats,
+    SharedExpert as SharedExpert,
+)
 from ._plan import LayerPlan as LayerPlan, Segment as Segment
 from ._rope import RoPE as RoPE
 from ._sharding import (
@@ -52,6 +64,20 @@ from ._sharding import (
     partition_specs as partition_specs,
     shard as shard,
     shard_cache as shard_cache,
+)
+from ._train import (
+    Batch as Batch,
+    TrainState as TrainState,
+    balance_loss as balance_loss,
+    cross_entropy as cross_entropy,
+    init_train_state as init_train_state,
+    loss_and_stats as loss_and_stats,
+    make_optimizer as make_optimizer,
+    make_train_step as make_train_step,
+    restore_train_state as restore_train_state,
+    save_train_state as save_train_state,
+    trainable as trainable,
+    update_router_bias as update_router_bias,
 )
 
 

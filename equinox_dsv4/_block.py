@@ -11,7 +11,7 @@ from ._cache import LayerCache
 from ._config import Config
 from ._hyper import HyperConnection
 from ._layers import RMSNorm
-from ._moe import MoE
+from ._moe import MoE, RouterStats
 
 
 class Block(eqx.Module):
@@ -63,10 +63,17 @@ class Block(eqx.Module):
 
         **Returns:** the updated streams, in `x.dtype`.
         """
+        return self.with_stats(x, ids)[0]
+
+    def with_stats(
+        self, x: Float[Array, "batch seq streams d_model"], ids: Int[Array, "batch seq"]
+    ) -> tuple[Float[Array, "batch seq streams d_model"], RouterStats]:
+        """As `__call__`, plus the MoE's `RouterStats`."""
         b, s = ids.shape
         cache = self.attn.init_cache(b, s, x.dtype)
         start = jnp.zeros((b,), jnp.int32)
-        return self.step(x, ids, start, jnp.full((b,), s, jnp.int32), cache)[0]
+        x, _, stats = self.step(x, ids, start, jnp.full((b,), s, jnp.int32), cache)
+        return x, stats
 
     def step(
         self,
@@ -75,13 +82,14 @@ class Block(eqx.Module):
         start: Int[Array, " batch"],
         count: Int[Array, " batch"],
         cache: LayerCache,
-    ) -> tuple[Float[Array, "batch chunk streams d_model"], LayerCache]:
+    ) -> tuple[Float[Array, "batch chunk streams d_model"], LayerCache, RouterStats]:
         """The block on a chunk appended to `cache` (see `Attention.step`).
 
-        **Returns:** `(streams, cache)`.
+        **Returns:** `(streams, cache, stats)`, `stats` being the MoE's `RouterStats`.
         """
         u, post, comb = self.hc_attn(x)
         a, cache = self.attn.step(self.attn_norm(u), start, count, cache)
         x = self.hc_attn.mix(a, x, post, comb)
         u, post, comb = self.hc_ffn(x)
-        return self.hc_ffn.mix(self.ffn(self.ffn_norm(u), ids), x, post, comb), cache
+        f, stats = self.ffn.with_stats(self.ffn_norm(u), ids)
+        return self.hc_ffn.mix(f, x, post, comb), cache, stats

@@ -13,8 +13,32 @@ from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
+from ._moe import RouterStats
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
+
+
+# `remat` policies for training: what a layer keeps for the backward pass (the rest is
+# recomputed). "nothing": only the residual streams between layers; "dots": also the outputs of
+# the weight matmuls (those without a batch dimension in the contraction).
+REMAT_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+# Per plan segment: a block's stats, or a scanned stack's, one per period position, stacked
+# along `repeats`.
+Stats = tuple[RouterStats | tuple[RouterStats, ...], ...]
+
+
+def _remat(fn, remat: str | None):
+    if remat is None:
+        return fn
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat must be None or one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    # prevent_cse=False: inside a scan the loop already keeps XLA from merging recomputation
+    # with the forward pass, and CSE barriers would only slow the unrolled case.
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
 
 class LayerStack(eqx.Module):
@@ -60,10 +84,15 @@ class LayerStack(eqx.Module):
         caches: tuple[LayerCache, ...],
         *,
         scan: bool = True,
-    ) -> tuple[Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...]]:
+        remat: str | None = None,
+    ) -> tuple[
+        Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...], tuple[RouterStats, ...]
+    ]:
         """Applies the `repeats x period` layers in order to a chunk (see `Block.step`);
         `scan=False` unrolls the same stacked weights into a Python loop (more to compile, same
-        numbers). **Returns:** `(streams, caches)`."""
+        numbers); `remat` names a rematerialisation policy (`REMAT_POLICIES`) for each period.
+
+        **Returns:** `(streams, caches, stats)`, caches and stats stacked along `repeats`."""
 
         def period(x, layer):
             blocks, caches = layer
@@ -71,20 +100,24 @@ class LayerStack(eqx.Module):
             # conversion (e.g. XLA:CPU's bf16 -> f32 before a dot) in front of the slicing and
             # out of the loop, materialising a converted copy of the whole stack.
             blocks = jax.lax.optimization_barrier(blocks)
-            new = []
+            new, stats = [], []
             for block, cache in zip(blocks, caches, strict=True):
-                x, cache = block.step(x, ids, start, count, cache)
+                x, cache, s = block.step(x, ids, start, count, cache)
                 x = constrain_batch(x)
                 new.append(cache)
-            return x, tuple(new)
+                stats.append(s)
+            return x, (tuple(new), tuple(stats))
 
+        period = _remat(period, remat)
         if scan:
-            return jax.lax.scan(period, x, (self.blocks, caches))
+            x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
+            return x, new, stats
         outs = []
         for r in range(self.repeats):
-            x, new = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
-            outs.append(new)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
+            outs.append(out)
+        new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return x, new, stats
 
 
 class MTPBlock(eqx.Module):
@@ -130,10 +163,22 @@ class MTPBlock(eqx.Module):
         **Returns:** `(h, streams')`: the normed hidden state for the head and this block's
         output streams (the input of a further MTP depth).
         """
+        h, x, _ = self.with_stats(streams, next_ids, embed)
+        return h, x
+
+    def with_stats(
+        self,
+        streams: Float[Array, "batch seq streams d_model"],
+        next_ids: Int[Array, "batch seq"],
+        embed: Embedding,
+    ) -> tuple[
+        Float[Array, "batch seq d_model"], Float[Array, "batch seq streams d_model"], RouterStats
+    ]:
+        """As `__call__`, plus the block's `RouterStats`."""
         e = self.e_proj(self.enorm(embed(next_ids)))
         x = e[:, :, None, :] + self.h_proj(self.hnorm(streams))
-        x = self.block(x, next_ids)
-        return self.norm(self.hc_head(x)), x
+        x, stats = self.block.with_stats(x, next_ids)
+        return self.norm(self.hc_head(x)), x, stats
 
 
 class DeepseekV4(eqx.Module):
@@ -206,10 +251,26 @@ class DeepseekV4(eqx.Module):
     ) -> Float[Array, "batch seq streams d_model"]:
         """The residual streams after the last decoder layer (the MTP block's input), for a full
         causal forward from position 0."""
+        return self.forward(input_ids)[0]
+
+    def forward(
+        self, input_ids: Int[Array, "batch seq"], *, remat: str | None = None
+    ) -> tuple[Float[Array, "batch seq streams d_model"], Stats]:
+        """The full causal forward for training: the final streams (see `streams`) and each
+        layer's `RouterStats`, in the structure of `layers` (a scanned stack's stacked along
+        its repeats).
+
+        **Arguments:**
+
+        - `input_ids`: int32 `[batch, seq]` at positions `0 .. seq-1`.
+        - `remat`: `None` (keep every activation for the backward pass) or a policy of
+          `REMAT_POLICIES`, applied to each unrolled block and each scanned period.
+        """
         _check_ids(input_ids)
         b, s = input_ids.shape
         cache = self.init_cache(b, s, self.embed.weight.dtype)
-        return self._forward(input_ids, cache, jnp.full((b,), s, jnp.int32))[0]
+        x, _, stats = self._forward(input_ids, cache, jnp.full((b,), s, jnp.int32), remat=remat)
+        return x, stats
 
     def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens each.
@@ -260,15 +321,20 @@ class DeepseekV4(eqx.Module):
         _check_ids(input_ids)
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
-        x, cache = self._forward(input_ids, cache, count)
+        x, cache, _ = self._forward(input_ids, cache, count)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
             x = jnp.take_along_axis(x, last, axis=1)
         return self.logits(x), cache
 
     def _forward(
-        self, input_ids: Int[Array, "batch chunk"], cache: KVCache, count: Int[Array, " batch"]
-    ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache]:
+        self,
+        input_ids: Int[Array, "batch chunk"],
+        cache: KVCache,
+        count: Int[Array, " batch"],
+        *,
+        remat: str | None = None,
+    ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache, Stats]:
         bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1])
         # Checked on a scalar, so that the check does not pull the (sharded) positions through
         # a single-device conditional.
@@ -281,17 +347,26 @@ class DeepseekV4(eqx.Module):
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
         x = constrain_batch(x)
-        new = []
+        new, stats = [], []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             if isinstance(layer, LayerStack):
-                x, layer_cache = layer.step(
-                    x, input_ids, start, count, layer_cache, scan=self.config.scan_layers
+                x, layer_cache, s = layer.step(
+                    x,
+                    input_ids,
+                    start,
+                    count,
+                    layer_cache,
+                    scan=self.config.scan_layers,
+                    remat=remat,
                 )
             else:
-                x, layer_cache = layer.step(x, input_ids, start, count, layer_cache)
+                x, layer_cache, s = _remat(type(layer).step, remat)(
+                    layer, x, input_ids, start, count, layer_cache
+                )
             x = constrain_batch(x)
             new.append(layer_cache)
-        return x, KVCache(tuple(new), start + count, cache.max_len)
+            stats.append(s)
+        return x, KVCache(tuple(new), start + count, cache.max_len), tuple(stats)
 
     def logits(
         self, streams: Float[Array, "batch seq streams d_model"]

@@ -91,16 +91,42 @@ class Gate(eqx.Module):
 
         **Returns:** float32 routing weights and the chosen expert indices, `[tokens, top_k]`.
         """
+        weights, indices, _ = self.route(x, ids)
+        return weights, indices
+
+    def route(
+        self, x: Float[Array, "tokens d_model"], ids: Int[Array, " tokens"]
+    ) -> tuple[
+        Float[Array, "tokens topk"], Int[Array, "tokens topk"], Float[Array, "tokens experts"]
+    ]:
+        """As `__call__`, plus every expert's float32 score (the balance loss reads them)."""
         scores = score(linear(x, self.weight, dtype=jnp.float32), self.scoring_func)
         if self.tid2eid is not None:
             indices = jnp.take(self.tid2eid, ids, axis=0).astype(jnp.int32)
         else:
             assert self.bias is not None
-            _, indices = jax.lax.top_k(scores + lead(f32(self.bias), scores.ndim), self.top_k)
+            # The bias is a selection offset, not a parameter of the function: no gradient
+            # reaches it (it is updated from the expert load instead, see `update_router_bias`).
+            bias = jax.lax.stop_gradient(f32(self.bias))
+            _, indices = jax.lax.top_k(scores + lead(bias, scores.ndim), self.top_k)
         weights = jnp.take_along_axis(scores, indices, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-        return weights * self.route_scale, indices
+        return weights * self.route_scale, indices, scores
+
+
+class RouterStats(eqx.Module):
+    """What one MoE layer's routing did on one call, for load balancing.
+
+    - `load`: float32 `[experts]`, how many (token, expert) assignments each expert received.
+    - `balance`: DeepSeek-V3's sequence-wise balance loss `sum_i f_i P_i` averaged over the
+      batch's sequences, where `f_i = E / (K T) * #{t : i chosen at t}` and `P_i` is the mean
+      over the sequence's tokens of expert `i`'s score normalised over all experts. Zero for
+      hash-routed layers, whose assignment the router cannot change.
+    """
+
+    load: Float[Array, " experts"]
+    balance: Float[Array, ""]
 
 
 class Experts(eqx.Module):
@@ -311,8 +337,27 @@ class MoE(eqx.Module):
 
         **Returns:** the MoE output in `x.dtype` (routed and shared parts summed in float32).
         """
-        flat = x.reshape(-1, x.shape[-1])
-        weights, indices = self.gate(flat, ids.reshape(-1))
+        return self.with_stats(x, ids)[0]
+
+    def with_stats(
+        self, x: Float[Array, "batch seq d_model"], ids: Int[Array, "batch seq"]
+    ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:
+        """As `__call__`, plus the routing statistics of this call (`RouterStats`); every
+        position of `x` counts, padding included."""
+        b, s, d = x.shape
+        flat = x.reshape(-1, d)
+        weights, indices, scores = self.gate.route(flat, ids.reshape(-1))
         routed = self.experts(flat, indices, weights)
         out = routed + f32(self.shared_experts(flat))
-        return out.astype(x.dtype).reshape(x.shape)
+        n_experts, top_k = scores.shape[-1], indices.shape[-1]
+        chosen = jnp.zeros((b, n_experts), jnp.float32)
+        chosen = chosen.at[jnp.arange(b)[:, None], indices.reshape(b, s * top_k)].add(1.0)
+        if self.gate.tid2eid is None:
+            share = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
+            p = jnp.mean(share.reshape(b, s, n_experts), axis=1)
+            f = jax.lax.stop_gradient(chosen) * (n_experts / (top_k * s))
+            balance = jnp.mean(jnp.sum(f * p, axis=-1))
+        else:
+            balance = jnp.zeros((), jnp.float32)
+        stats = RouterStats(jnp.sum(chosen, axis=0), balance)
+        return out.astype(x.dtype).reshape(x.shape), stats

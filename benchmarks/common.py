@@ -1,0 +1,156 @@
+"""Shared pieces of the benchmarks: the "small" config, the transformers twin with the same
+weights, timing, and result files."""
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))
+
+import equinox_dsv4 as ed  # noqa: E402
+from convert import fill, hf_to_canonical  # noqa: E402
+
+
+S, C, H = ed.SLIDING, ed.CSA, ed.HCA
+
+
+def small_config(layers: int = 8, **overrides) -> ed.Config:
+    """The documented "small" config: hidden 512, 8 heads x head_dim 128 with 32 rope dims, the
+    V4-Flash layer pattern (two sliding-only layers, then CSA / HCA alternating, the first three
+    hash-routed), 16 experts top-4, window 128, ratios 4 / 128, the real vocabulary."""
+    pattern = ((S, S) + tuple(C if i % 2 == 0 else H for i in range(max(0, layers - 2))))[:layers]
+    base = dict(
+        vocab_size=129280,
+        hidden_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        head_dim=128,
+        qk_rope_head_dim=32,
+        q_lora_rank=256,
+        o_groups=4,
+        o_lora_rank=256,
+        sliding_window=128,
+        layer_types=pattern,
+        mlp_layer_types=(ed.HASH_MOE,) * min(3, layers) + (ed.MOE,) * max(0, layers - 3),
+        compress_rate_csa=4,
+        compress_rate_hca=128,
+        index_n_heads=8,
+        index_head_dim=64,
+        index_topk=128,
+        hc_mult=4,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=512,
+        routed_scaling_factor=1.5,
+        rope_scaling=ed.YarnScaling(factor=16.0, original_max_position_embeddings=65536),
+        num_nextn_predict_layers=0,
+    )
+    base.update(overrides)
+    return ed.Config(**base)
+
+
+def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
+    """A random transformers model and our model with the same weights, both in `dtype`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config.to_hf()))
+    reference = reference.eval()
+    tensors = []
+    for key, tensor in reference.state_dict().items():
+        for name, transform in hf_to_canonical(key):
+            tensors.append((name, transform(tensor.numpy())))
+    skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    ours = fill(skeleton, tensors)
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        # transformers keeps norms, mHC, sinks, slot and router biases in float32 as we do.
+        reference = reference.to(torch.bfloat16)
+        for name, module in reference.named_modules():
+            if name.split(".")[-1] in _FP32_MODULES:
+                module.float()
+        for module in reference.modules():
+            for attr in ("sinks", "position_bias", "e_score_correction_bias"):
+                if hasattr(module, attr) and isinstance(getattr(module, attr), torch.Tensor):
+                    getattr(module, attr).data = getattr(module, attr).data.float()
+    return reference, ours
+
+
+_FP32_MODULES = {
+    "attn_hc",
+    "ffn_hc",
+    "hc_head",
+    "q_a_norm",
+    "kv_norm",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "norm",
+}
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of `fn()` (which must block until done) over `repeats` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "jax": jax.__version__,
+        "jax_devices": [str(d) for d in jax.devices()],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def write(name: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), "rows": rows, **(extra or {})}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    (RESULTS / f"{name}.md").write_text(table)
+    print(table)
+
+
+def markdown(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def set_threads(n: int | None = None) -> int:
+    """torch uses as many threads as JAX's CPU client has cores to use."""
+    import torch
+
+    n = n or os.cpu_count() or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def block(x):
+    return jax.block_until_ready(x)
+
+
+def random_ids(batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(2, 129280, (batch, length)).astype(np.int32)

@@ -1,0 +1,154 @@
+"""Decode latency per token against context length, ours and transformers.
+
+Ours: the jitted decode step of `generate` (cache donated), after a chunked prefill of the
+context. transformers: its eager forward with its own cache, one token per call, after its
+prefill; only at the context lengths it manages on this machine (`--reference-contexts`).
+Batch 1, float32, the "small" config (benchmarks/common.py).
+
+    python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 16]
+
+Writes benchmarks/results/decode.{json,md,png}.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import (
+    block,
+    markdown,
+    random_ids,
+    reference_and_ours,
+    set_threads,
+    small_config,
+    timed,
+    write,
+)
+
+import equinox_dsv4 as ed
+
+
+def ours_latency(model, context: int, steps: int) -> float:
+    ids = random_ids(1, context)
+    max_len = -(-(context + steps + 8) // 64) * 64
+    cache = model.init_cache(1, max_len)
+    greedy = ed.Sampling()
+    key = jax.random.key(0)
+    token, cache = ed.prefill(
+        model, jnp.asarray(ids), jnp.asarray([context]), cache, key, greedy, 2048
+    )
+    active = jnp.ones((1,), jnp.int32)
+    token, cache = ed.decode_step(model, token, active, cache, key, greedy)  # compile
+    times = []
+    import time
+
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        token, cache = ed.decode_step(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
+        block(token)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def reference_latency(reference, context: int, steps: int) -> float:
+    import torch
+
+    ids = torch.from_numpy(random_ids(1, context).astype(np.int64))
+    with torch.no_grad():
+        out = reference(
+            input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1
+        )
+        cache = out.cache
+        token = out.logits[:, -1:].argmax(-1)
+        mask = torch.ones((1, context + 1), dtype=torch.long)
+
+        def step():
+            nonlocal cache, token, mask
+            out = reference(input_ids=token, attention_mask=mask, cache=cache, use_cache=True)
+            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+            mask = torch.ones((1, mask.shape[1] + 1), dtype=torch.long)
+
+        return timed(step, steps, warmup=1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args()
+    threads = set_threads()
+    config = small_config()
+    reference, ours = reference_and_ours(config, jnp.float32)
+    rows, table = [], []
+    for context in args.contexts:
+        ours_s = ours_latency(ours, context, args.steps)
+        ref_s = (
+            reference_latency(reference, context, args.steps)
+            if context in args.reference_contexts
+            else None
+        )
+        row = {
+            "context": context,
+            "ours_ms": 1e3 * ours_s,
+            "transformers_ms": None if ref_s is None else 1e3 * ref_s,
+            "speedup": None if ref_s is None else ref_s / ours_s,
+        }
+        rows.append(row)
+        table.append(
+            [
+                context,
+                f"{row['ours_ms']:.2f}",
+                "-" if ref_s is None else f"{row['transformers_ms']:.1f}",
+                "-" if ref_s is None else f"{row['speedup']:.1f}x",
+            ]
+        )
+        print(table[-1], flush=True)
+    base = rows[0]["ours_ms"]
+    for row, cells in zip(rows, table, strict=True):
+        row["ours_vs_first"] = row["ours_ms"] / base
+        cells.append(f"{row['ours_vs_first']:.2f}")
+    md = markdown(
+        [
+            "context",
+            "ours ms / token",
+            "transformers ms / token",
+            "ratio",
+            f"ours vs {rows[0]['context']}",
+        ],
+        table,
+    )
+    write("decode", rows, md, {"config": config.to_hf(), "threads": threads, "steps": args.steps})
+    _plot(rows)
+    return 0
+
+
+def _plot(rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from common import RESULTS
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["context"] for r in rows], [r["ours_ms"] for r in rows], "o-", label="ours")
+    ref = [r for r in rows if r["transformers_ms"] is not None]
+    ax.plot(
+        [r["context"] for r in ref],
+        [r["transformers_ms"] for r in ref],
+        "s--",
+        label="transformers",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("ms per decoded token")
+    ax.set_title("Decode latency, small config, batch 1, float32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "decode.png", dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Prefill throughput against transformers, and achieved FLOP/s against the machine's matmul.
+
+Ours: the jitted prefill (`decode` from an empty cache, last position's logits, as `generate`
+runs it). transformers: its eager forward with a cache and `logits_to_keep=1`, same weights,
+same thread count. Batch 1, the "small" config (benchmarks/common.py), float32 and bfloat16.
+
+    python benchmarks/prefill.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16]
+
+Also measures a large `jnp.dot` in the same run and reports the prefill's achieved FLOP/s (model
+FLOPs counted analytically, below) as a fraction of it. Writes benchmarks/results/prefill.*.
+"""
+
+import argparse
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import (
+    block,
+    markdown,
+    random_ids,
+    reference_and_ours,
+    set_threads,
+    small_config,
+    timed,
+    write,
+)
+
+import equinox_dsv4 as ed
+
+
+def prefill_flops(config: ed.Config, tokens: int) -> float:
+    """Useful FLOPs (2 per multiply-add) of a batch-1 prefill: what the math needs, not what an
+    implementation happens to compute (no masked logits, no padding)."""
+    d, h, k = config.hidden_size, config.num_attention_heads, config.head_dim
+    w, n = config.sliding_window, config.hc_mult
+    t = np.arange(tokens)
+    total = 0.0
+    for layer_type in config.layer_types:
+        per_token = 2 * 2 * n * d * (2 + n) * n  # two mHC sites
+        per_token += 2 * (d * config.q_lora_rank + config.q_lora_rank * h * k + d * k)
+        per_token += 2 * (h * k * config.o_lora_rank + config.o_groups * config.o_lora_rank * d)
+        per_token += 2 * d * config.n_routed_experts
+        per_token += 3 * 2 * d * config.moe_intermediate_size * (config.num_experts_per_tok + 1)
+        keys = np.minimum(t + 1, w).astype(float)
+        if layer_type == ed.HCA:
+            per_token += 2 * 2 * d * k
+            keys += (t + 1) // config.compress_rate_hca
+        if layer_type == ed.CSA:
+            di, hi = config.index_head_dim, config.index_n_heads
+            per_token += 2 * 2 * d * 2 * k + 2 * 2 * d * 2 * di  # compressor + index keys
+            per_token += 2 * (config.q_lora_rank * hi * di + d * hi)
+            visible = (t + 1) // config.compress_rate_csa
+            total += float(np.sum(2 * hi * di * visible))  # index scores
+            keys += np.minimum(visible, config.index_topk)
+        total += tokens * per_token + float(np.sum(2 * 2 * h * k * keys))
+    return total + 2 * d * config.vocab_size  # head, last position
+
+
+def matmul_flops_per_second(dtype, size: int = 2048, repeats: int = 5) -> float:
+    a = jnp.ones((size, size), dtype)
+    f = jax.jit(lambda a, b: a @ b)
+    seconds = timed(lambda: block(f(a, a)), repeats)
+    return 2 * size**3 / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    threads = set_threads()
+    import torch
+
+    config = small_config()
+    rows, table = [], []
+    for dtype_name in args.dtypes:
+        dtype = jnp.dtype(dtype_name)
+        reference, ours = reference_and_ours(config, dtype)
+        peak = matmul_flops_per_second(dtype)
+
+        @eqx.filter_jit
+        def prefill(model, ids):
+            cache = model.init_cache(ids.shape[0], ids.shape[1])
+            return model.decode(ids, cache, last_only=True)[0]
+
+        for length in args.lengths:
+            ids = random_ids(1, length)
+            jids = jnp.asarray(ids)
+            block(prefill(ours, jids))  # compile
+            ours_s = timed(lambda jids=jids, m=ours: block(prefill(m, jids)), args.repeats)
+            tids = torch.from_numpy(ids.astype(np.int64))
+
+            def reference_prefill(tids=tids, reference=reference):
+                with torch.no_grad():
+                    reference(
+                        input_ids=tids,
+                        attention_mask=torch.ones_like(tids),
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+
+            ref_s = timed(
+                reference_prefill, max(1, args.repeats - 1 if length > 4096 else args.repeats)
+            )
+            flops = prefill_flops(config, length)
+            row = {
+                "dtype": dtype_name,
+                "tokens": length,
+                "ours_seconds": ours_s,
+                "transformers_seconds": ref_s,
+                "ours_tokens_per_s": length / ours_s,
+                "transformers_tokens_per_s": length / ref_s,
+                "speedup": ref_s / ours_s,
+                "model_flops": flops,
+                "ours_flops_per_s": flops / ours_s,
+                "matmul_flops_per_s": peak,
+                "fraction_of_matmul": flops / ours_s / peak,
+            }
+            rows.append(row)
+            table.append(
+                [
+                    dtype_name,
+                    length,
+                    f"{row['ours_tokens_per_s']:.0f}",
+                    f"{row['transformers_tokens_per_s']:.0f}",
+                    f"{row['speedup']:.2f}x",
+                    f"{row['ours_flops_per_s'] / 1e9:.1f}",
+                    f"{peak / 1e9:.1f}",
+                    f"{100 * row['fraction_of_matmul']:.0f}%",
+                ]
+            )
+            print(table[-1], flush=True)
+    md = markdown(
+        [
+            "dtype",
+            "tokens",
+            "ours tok/s",
+            "transformers tok/s",
+            "ratio",
+            "ours GFLOP/s",
+            "matmul GFLOP/s",
+            "of matmul",
+        ],
+        table,
+    )
+    write("prefill", rows, md, {"config": config.to_hf(), "threads": threads})
+    _plot(rows)
+    return 0
+
+
+def _plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from common import RESULTS
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dtype in sorted({r["dtype"] for r in rows}):
+        sel = [r for r in rows if r["dtype"] == dtype]
+        x = [r["tokens"] for r in sel]
+        ax.plot(x, [r["ours_tokens_per_s"] for r in sel], "o-", label=f"ours {dtype}")
+        ax.plot(
+            x, [r["transformers_tokens_per_s"] for r in sel], "s--", label=f"transformers {dtype}"
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill tokens / s")
+    ax.set_title("Prefill throughput, small config, batch 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "prefill.png", dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Fine-tune DeepSeek-V4 on a text file with optax; resumable.
+
+The text is tokenised with the real DeepSeek-V4 tokenizer and cut into consecutive windows of
+`--seq-len + 1` tokens. Each step trains on `--batch` windows: next-token cross-entropy, the MTP
+loss (when the model has an MTP block), the sequence-wise balance loss, and the
+auxiliary-loss-free router-bias update. AdamW with warmup and cosine decay, clipped gradients.
+
+Every `--save-every` steps (and at the end) the train state (parameters, optimizer state, step
+and data position) is saved to `OUT/train_state`; running the same command again resumes from
+it exactly. At the end the model is also saved to `OUT/model`, loadable with
+`examples/generate.py --checkpoint OUT/model`.
+
+With no model argument it trains the embedded tiny default from a seeded random init.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import pathlib
+import shutil
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import equinox_dsv4 as ed
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _truncate(config: ed.Config, layers: int | None) -> ed.Config:
+    if layers is None:
+        return config
+    if not 0 < layers <= config.num_hidden_layers:
+        raise ValueError(f"--layers must be in 1..{config.num_hidden_layers}, got {layers}")
+    return dataclasses.replace(
+        config,
+        num_hidden_layers=layers,
+        layer_types=config.layer_types[:layers],
+        mlp_layer_types=config.mlp_layer_types[:layers],
+    )
+
+
+def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
+    dtype = jnp.dtype(args.dtype)
+    if (args.checkpoint or args.hf) and args.layers is not None:
+        raise ValueError("--layers applies to the default model only")
+    if args.checkpoint:
+        return ed.load(args.checkpoint), args.checkpoint
+    if args.hf:
+        import convert
+
+        return convert.load_hf(args.hf, dtype=dtype), args.hf
+    config = _truncate(ed.Config.tiny(), args.layers)
+    model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
+    return model, f"the embedded tiny default, random init (seed {args.seed})"
+
+
+def windows(tokens: np.ndarray, seq_len: int, batch: int, position: int) -> np.ndarray:
+    """Batch number `position`: `batch` consecutive windows of `seq_len + 1` tokens (each
+    overlapping the next by one), wrapping around the text."""
+    n = len(tokens) - 1
+    starts = (np.arange(batch) + position * batch) * seq_len % max(1, n - seq_len + 1)
+    return np.stack([tokens[s : s + seq_len + 1] for s in starts])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", metavar="DIR", help="a saved model (orbax)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
+    parser.add_argument("--text", default=str(ROOT / "README.md"), help="training text file")
+    parser.add_argument("--out", default="runs/train", help="run directory (state, model)")
+    parser.add_argument("--steps", type=int, default=100, help="total steps (resume included)")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    parser.add_argument("--mtp-weight", type=float, default=0.3)
+    parser.add_argument("--balance-weight", type=float, default=1e-4)
+    parser.add_argument("--bias-rate", type=float, default=1e-3, help="router-bias update step")
+    parser.add_argument(
+        "--remat", choices=("none", *ed.REMAT_POLICIES), default="dots", help="per-layer remat"
+    )
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
+    parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError, ed.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps <= 0 or args.batch <= 0 or args.seq_len <= 0 or args.save_every <= 0:
+        raise ValueError("--steps, --batch, --seq-len and --save-every must be positive")
+    text = pathlib.Path(args.text).read_text()
+    tokens = np.asarray(ed.encode_text(text), np.int32)
+    if len(tokens) < args.seq_len + 1:
+        raise ValueError(f"{args.text}: {len(tokens)} tokens, fewer than --seq-len + 1")
+    out = pathlib.Path(args.out)
+    state_dir = out / "train_state"
+
+    t0 = time.perf_counter()
+    model, source = load_model(args)
+    mesh = None
+    if args.fsdp > 1:
+        if args.batch % args.fsdp:
+            raise ValueError(f"--batch {args.batch} is not divisible by --fsdp {args.fsdp}")
+        mesh = ed.make_mesh(fsdp=args.fsdp)
+        model = ed.shard(model, mesh)
+    print(f"model: {source} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(f"data: {args.text}, {len(tokens)} tokens", file=sys.stderr)
+
+    optimizer = ed.make_optimizer(
+        args.lr,
+        warmup_steps=min(args.warmup, args.steps - 1),
+        total_steps=args.steps,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip,
+    )
+    step_fn = ed.make_train_step(
+        optimizer,
+        mtp_weight=args.mtp_weight,
+        balance_weight=args.balance_weight,
+        bias_update_rate=args.bias_rate,
+        remat=None if args.remat == "none" else args.remat,
+    )
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        state = ed.init_train_state(model, optimizer)
+        position = 0
+        if (state_dir / "train_state.json").is_file():
+            state, position = ed.restore_train_state(state_dir, state)
+            print(f"resumed at step {int(state.step)} from {state_dir}", file=sys.stderr)
+        start = int(state.step)
+        if start >= args.steps:
+            print(f"already trained {start} >= --steps {args.steps} steps", file=sys.stderr)
+            return 0
+
+        bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", file=sys.stderr)
+        seen, timed_from = 0, None
+        for step in range(start, args.steps):
+            batch = ed.Batch.from_tokens(windows(tokens, args.seq_len, args.batch, position))
+            state, metrics = step_fn(state, batch)
+            position += 1
+            loss = float(metrics["loss"])  # waits for the step
+            if timed_from is None:  # the first step includes compilation
+                timed_from = time.perf_counter()
+            else:
+                seen += args.batch * args.seq_len
+            rate = seen / max(time.perf_counter() - timed_from, 1e-9)
+            bar.set_postfix(
+                loss=f"{loss:.3f}", lm=f"{float(metrics['lm']):.3f}", tok_s=f"{rate:.0f}"
+            )
+            bar.update(1)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                ed.save_train_state(state_dir, state, data_position=position)
+        bar.close()
+
+    model_dir = out / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    ed.save(model_dir, state.model)
+    print(
+        f"trained steps {start}..{args.steps}: final loss {loss:.4f}, "
+        f"{rate:.0f} tokens/s after the first step; state in {state_dir}, model in {model_dir}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

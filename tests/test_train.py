@@ -1,0 +1,309 @@
+"""Training: gradients against torch autograd through transformers, the loss terms worked out by
+hand, load balancing, overfitting a fixed text, bit-exact resume, remat memory, FSDP."""
+
+import pathlib
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
+
+import equinox_dsv4 as ed
+from convert import fill, hf_to_canonical
+
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def _grads_like(skeleton: ed.DeepseekV4, reference: torch.nn.Module) -> ed.DeepseekV4:
+    """transformers' gradients laid out as our model (buffers keep their values; parameters
+    autograd never reached, e.g. the indexer behind its top-k, count as zero)."""
+    params = dict(reference.named_parameters())
+
+    def tensors():
+        for key, tensor in reference.state_dict().items():
+            if key in params:
+                grad = params[key].grad
+                tensor = torch.zeros_like(tensor) if grad is None else grad
+            for name, transform in hf_to_canonical(key):
+                yield name, transform(tensor.detach().numpy())
+
+    return fill(skeleton, tensors())
+
+
+def test_gradients_match_torch_autograd():
+    config = tiny_config(num_nextn_predict_layers=0)  # Flash pattern, 9 layers, 8 index heads
+    reference = reference_model(config, seed=11)
+    ids = np.random.default_rng(11).integers(0, config.vocab_size, (2, 38))
+    inputs, labels = torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
+    logits = reference(input_ids=inputs, attention_mask=torch.ones_like(inputs)).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, config.vocab_size), labels.reshape(-1)
+    )
+    loss.backward()
+
+    model = our_model(config, reference)
+    expected = _grads_like(eqx.filter_eval_shape(lambda: model), reference)
+    params, frozen = eqx.partition(model, ed.trainable(model))
+    batch = ed.Batch.from_tokens(jnp.asarray(ids, jnp.int32))
+
+    @eqx.filter_jit
+    def value_and_grad(params):
+        return jax.value_and_grad(lambda p: ed.loss_and_stats(eqx.combine(p, frozen), batch)[0])(
+            params
+        )
+
+    value, grads = value_and_grad(params)
+    np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
+    got = jax.tree_util.tree_flatten_with_path(grads)[0]
+    want = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+    assert len(got) == len(jax.tree.leaves(params)) > 100
+    total = float(np.sqrt(sum(np.sum(np.square(np.asarray(w, np.float64))) for w in want.values())))
+    bad, nonzero = [], 0
+    for path, g in got:
+        g, w = np.asarray(g, np.float64), np.asarray(want[path], np.float64)
+        norm = float(np.linalg.norm(w))
+        err = float(np.linalg.norm(g - w))
+        if norm == 0:
+            # Autograd never reached it (the indexer, behind its top-k): neither may we.
+            if np.any(g != 0):
+                bad.append((jax.tree_util.keystr(path), err, norm))
+            continue
+        nonzero += 1
+        # 1e-4 of the leaf's gradient norm, floored at 1e-7 of the whole gradient's: a leaf
+        # whose gradient nearly cancels (hc_head.scale: 1e-4 against a total of ~2) keeps the
+        # float32 rounding of its terms (its error stays 1.4e-8 even with float64 parameters).
+        if err > 1e-4 * max(norm, 1e-3 * total):
+            bad.append((jax.tree_util.keystr(path), err, norm))
+    assert not bad, bad
+    assert nonzero > 0.8 * len(got)
+
+
+def test_loss_terms_worked_out_by_hand():
+    config = tiny_config(layer_types=(S, C, H), num_hash_layers=1)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=5)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, config.vocab_size, (2, 14)).astype(np.int32)
+    mask = np.ones_like(tokens, np.float32)
+    mask[1, 10:] = 0  # padding at the end of row 1
+    batch = ed.Batch.from_tokens(tokens, mask)
+    loss, aux = eqx.filter_jit(
+        lambda m, b: ed.loss_and_stats(m, b, mtp_weight=0.5, balance_weight=0.01)
+    )(model, batch)
+
+    def ce(logits, targets, m):
+        logits = np.asarray(logits, np.float64)
+        z = logits.max(-1, keepdims=True)
+        lse = np.log(np.exp(logits - z).sum(-1)) + z[..., 0]
+        nll = lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        return (nll * m).sum() / m.sum()
+
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    lm_mask = mask[:, :-1] * mask[:, 1:]
+    streams = model.streams(jnp.asarray(inputs))
+    lm = ce(model.logits(streams), labels, lm_mask)
+    # MTP: position t reads token t + 1 and predicts token t + 2.
+    mtp_logits = model.mtp_logits(streams, jnp.asarray(labels))
+    mtp = ce(np.asarray(mtp_logits)[:, :-1], labels[:, 1:], lm_mask[:, :-1] * lm_mask[:, 1:])
+    balance = float(sum(float(s.balance) for s in aux["stats"]))
+    np.testing.assert_allclose(aux["lm"], lm, rtol=1e-5)
+    np.testing.assert_allclose(aux["mtp"], mtp, rtol=1e-5)
+    assert aux["tokens"] == lm_mask.sum() == 13 + 9
+    np.testing.assert_allclose(loss, lm + 0.5 * mtp + 0.01 * balance, rtol=1e-5)
+    assert float(aux["stats"][0].balance) == 0.0  # the hash-routed layer
+
+
+def test_balance_statistics_worked_out_by_hand():
+    config = tiny_config(layer_types=(C,), num_hash_layers=0)
+    moe = random_fill(abstract(ed.MoE, config, ed.MOE), seed=2)
+    b, s, e, k = 2, 6, config.n_routed_experts, config.num_experts_per_tok
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(b, s, config.hidden_size)), jnp.float32)
+    _, stats = moe.with_stats(x, jnp.zeros((b, s), jnp.int32))
+    logits = np.asarray(x, np.float64) @ np.asarray(moe.gate.weight, np.float64).T
+    scores = np.sqrt(np.log1p(np.exp(logits)))  # sqrtsoftplus
+    chosen = np.argsort(-(scores + np.asarray(moe.gate.bias)), axis=-1)[..., :k]
+    counts = np.zeros((b, e))
+    for i in range(b):
+        np.add.at(counts[i], chosen[i].reshape(-1), 1)
+    f = counts * e / (k * s)
+    p = (scores / scores.sum(-1, keepdims=True)).mean(1)
+    np.testing.assert_allclose(stats.load, counts.sum(0))
+    np.testing.assert_allclose(stats.balance, (f * p).sum(-1).mean(), rtol=1e-5)
+
+
+def _small(**overrides) -> ed.Config:
+    base = dict(
+        layer_types=(S, C, H, C, H),
+        num_hash_layers=1,
+        scan_min_repeats=2,
+        num_nextn_predict_layers=1,
+    )
+    return tiny_config(**{**base, **overrides})
+
+
+def test_bias_update_and_frozen_leaves():
+    config = _small()
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=1)
+    opt = ed.make_optimizer(1e-2, warmup_steps=0, total_steps=10)
+    state = ed.init_train_state(model, opt)
+    rate = 0.25
+    step = ed.make_train_step(opt, bias_update_rate=rate, donate=False)
+    batch = ed.Batch.from_tokens(np.random.default_rng(1).integers(0, 97, (2, 17)))
+    new, metrics = step(state, batch)
+    # Plan: layer 0 (sliding, hash-routed), then a scan of two (CSA, HCA) pairs.
+    old_stack, new_stack = state.model.layers[1], new.model.layers[1]
+    for p, block in enumerate(old_stack.blocks):
+        load = np.asarray(metrics["load"][1 + p])  # per repeat of this period position
+        assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 2 * 16 * 2)
+        want = block.ffn.gate.bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
+        np.testing.assert_allclose(new_stack.blocks[p].ffn.gate.bias, want, rtol=1e-6)
+    hashed = state.model.layers[0].ffn.gate
+    assert hashed.bias is None
+    np.testing.assert_array_equal(new.model.layers[0].ffn.gate.tid2eid, hashed.tid2eid)
+    # The MTP block's router is balanced too; its weights train.
+    assert not np.array_equal(
+        new.model.mtp[0].block.ffn.gate.bias, model.mtp[0].block.ffn.gate.bias
+    )
+    assert not np.array_equal(
+        new.model.layers[0].attn.wq_a.weight, model.layers[0].attn.wq_a.weight
+    )
+    assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
+    spec = ed.trainable(model)
+    gate = spec.layers[1].blocks[0].ffn.gate
+    assert gate.bias is False and gate.weight is True and spec.layers[0].ffn.gate.tid2eid is False
+
+
+def test_overfits_a_fixed_text():
+    """Tiny model, a fixed 2048-token text (the real tokenizer; ids renumbered densely so the
+    head is small), full batch: the loss goes below 0.5 nats within 150 steps."""
+    text = (ROOT / "tests" / "data" / "overfit.txt").read_text()
+    ids = ed.encode_text(text)[:2049]
+    assert len(ids) == 2049
+    vocab = {t: i for i, t in enumerate(sorted(set(ids)))}
+    dense = np.array([vocab[t] for t in ids], np.int32)
+    rows = np.stack([dense[i * 256 : i * 256 + 257] for i in range(8)])  # 8 x 256 targets
+    config = _small(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=512,
+        rope_scaling=None,
+    )
+    model = ed.DeepseekV4(config, key=jax.random.key(0))
+    opt = ed.make_optimizer(1e-2, warmup_steps=10, total_steps=150, weight_decay=0.0)
+    state = ed.init_train_state(model, opt)
+    step = ed.make_train_step(opt, balance_weight=0.0, remat=None)
+    batch = ed.Batch.from_tokens(rows)
+    losses = []
+    for _ in range(150):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["lm"]))
+        if losses[-1] < 0.5:
+            break
+    assert losses[0] > 5.0 and losses[-1] < 0.5, losses[::10] + losses[-1:]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    config = _small()
+    opt = ed.make_optimizer(3e-3, warmup_steps=2, total_steps=10)
+    step = ed.make_train_step(opt)
+    data = np.random.default_rng(4).integers(0, 97, (10, 2, 21)).astype(np.int32)
+
+    def fresh():
+        return ed.init_train_state(random_fill(abstract(ed.DeepseekV4, config), seed=4), opt)
+
+    def run(state, start, stop):
+        for i in range(start, stop):
+            state, _ = step(state, ed.Batch.from_tokens(data[i]))
+        return state
+
+    straight = run(fresh(), 0, 10)
+    half = run(fresh(), 0, 5)
+    ed.save_train_state(tmp_path / "state", half, data_position=5)
+    restored, position = ed.restore_train_state(tmp_path / "state", fresh())
+    assert position == 5 and int(restored.step) == 5
+    resumed = run(restored, position, 10)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(straight, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(resumed, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_restore_rejects_another_model(tmp_path):
+    opt = ed.make_optimizer(1e-3, warmup_steps=0, total_steps=5)
+    state = ed.init_train_state(random_fill(abstract(ed.DeepseekV4, _small()), seed=0), opt)
+    ed.save_train_state(tmp_path / "s", state)
+    other = ed.init_train_state(
+        random_fill(abstract(ed.DeepseekV4, _small(hidden_size=48)), seed=0), opt
+    )
+    with pytest.raises(ValueError, match="saved as"):
+        ed.restore_train_state(tmp_path / "s", other)
+    with pytest.raises(FileNotFoundError, match="train_state.json"):
+        ed.restore_train_state(tmp_path / "missing", state)
+
+
+def _train_step_memory(remat: str | None) -> int:
+    # 16 layers: two sliding, then seven (CSA, HCA) pairs in one scan.
+    layer_types = (S, S) + (C, H) * 7
+    config = tiny_config(
+        layer_types=layer_types,
+        num_hash_layers=0,
+        hidden_size=128,
+        num_nextn_predict_layers=0,
+    )
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=0)
+    opt = ed.make_optimizer(1e-3, warmup_steps=0, total_steps=10)
+    state = ed.init_train_state(model, opt)
+    step = ed.make_train_step(opt, remat=remat, donate=False)
+    batch = ed.Batch.from_tokens(np.zeros((4, 257), np.int32))
+    compiled = step.lower(state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_remat_lowers_train_step_temporaries():
+    without, dots, nothing = (_train_step_memory(r) for r in (None, "dots", "nothing"))
+    print(f"16-layer train step temporaries: none {without}, dots {dots}, nothing {nothing}")
+    assert nothing < dots < without
+    assert nothing < 0.6 * without
+
+
+def test_fsdp_train_step_equals_single_device():
+    config = _small(num_attention_heads=8, o_groups=4, num_nextn_predict_layers=0)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=6)
+    # Plain SGD: the update is the gradient itself (Adam's first step, g / |g|, would magnify
+    # float32 summation-order noise in near-zero gradient entries into full-size updates).
+    opt = optax.sgd(0.5)
+    step = ed.make_train_step(opt, donate=False)
+    batch = ed.Batch.from_tokens(np.random.default_rng(6).integers(0, 97, (8, 21)))
+    single, m1 = step(ed.init_train_state(model, opt), batch)
+    mesh = ed.make_mesh(fsdp=8)
+    sharded = ed.shard(model, mesh)
+    with jax.set_mesh(mesh):
+        new, m2 = step(ed.init_train_state(sharded, opt), batch)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    leaves = jax.tree.leaves(eqx.filter(new.model, eqx.is_array))
+    split = [leaf for leaf in leaves if not leaf.sharding.is_fully_replicated]
+    assert len(split) > len(leaves) // 3  # the weights stay FSDP-sharded after the update
+    for a, b in zip(jax.tree.leaves(eqx.filter(single.model, eqx.is_array)), leaves, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_example_train_script(tmp_path):
+    cmd = [sys.executable, "examples/train.py", "--steps", "4", "--seq-len", "32", "--batch", "2"]
+    cmd += ["--save-every", "2", "--out", str(tmp_path / "run"), "--layers", "3"]
+    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "run" / "train_state" / "train_state.json").is_file()
+    assert "tokens/s" in first.stderr
+    again = subprocess.run(cmd[:3] + ["6"] + cmd[4:], capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 0, again.stderr
+    assert "resumed at step 4" in again.stderr
