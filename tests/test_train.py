@@ -147,20 +147,29 @@ def _small(**overrides) -> ed.Config:
     return tiny_config(**{**base, **overrides})
 
 
-def test_bias_update_and_frozen_leaves():
+RATE = 0.25
+
+
+@pytest.fixture(scope="module")
+def small():
+    """One compiled step shared by the tests below (batches of 2 x 20 tokens)."""
     config = _small()
+    opt = ed.make_optimizer(3e-3, warmup_steps=2, total_steps=10)
+    return config, opt, ed.make_train_step(opt, bias_update_rate=RATE, donate=False)
+
+
+def test_bias_update_and_frozen_leaves(small):
+    config, opt, step = small
     model = random_fill(abstract(ed.DeepseekV4, config), seed=1)
-    opt = ed.make_optimizer(1e-2, warmup_steps=0, total_steps=10)
     state = ed.init_train_state(model, opt)
-    rate = 0.25
-    step = ed.make_train_step(opt, bias_update_rate=rate, donate=False)
-    batch = ed.Batch.from_tokens(np.random.default_rng(1).integers(0, 97, (2, 17)))
+    rate = RATE
+    batch = ed.Batch.from_tokens(np.random.default_rng(1).integers(0, 97, (2, 21)))
     new, metrics = step(state, batch)
     # Plan: layer 0 (sliding, hash-routed), then a scan of two (CSA, HCA) pairs.
     old_stack, new_stack = state.model.layers[1], new.model.layers[1]
     for p, block in enumerate(old_stack.blocks):
         load = np.asarray(metrics["load"][1 + p])  # per repeat of this period position
-        assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 2 * 16 * 2)
+        assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 2 * 20 * 2)
         want = block.ffn.gate.bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
         np.testing.assert_allclose(new_stack.blocks[p].ffn.gate.bias, want, rtol=1e-6)
     hashed = state.model.layers[0].ffn.gate
@@ -209,10 +218,8 @@ def test_overfits_a_fixed_text():
     assert losses[0] > 5.0 and losses[-1] < 0.5, losses[::10] + losses[-1:]
 
 
-def test_resume_is_bit_exact(tmp_path):
-    config = _small()
-    opt = ed.make_optimizer(3e-3, warmup_steps=2, total_steps=10)
-    step = ed.make_train_step(opt)
+def test_resume_is_bit_exact(tmp_path, small):
+    config, opt, step = small
     data = np.random.default_rng(4).integers(0, 97, (10, 2, 21)).astype(np.int32)
 
     def fresh():
@@ -237,9 +244,9 @@ def test_resume_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_restore_rejects_another_model(tmp_path):
-    opt = ed.make_optimizer(1e-3, warmup_steps=0, total_steps=5)
-    state = ed.init_train_state(random_fill(abstract(ed.DeepseekV4, _small()), seed=0), opt)
+def test_restore_rejects_another_model(tmp_path, small):
+    config, opt, _ = small
+    state = ed.init_train_state(random_fill(abstract(ed.DeepseekV4, config), seed=0), opt)
     ed.save_train_state(tmp_path / "s", state)
     other = ed.init_train_state(
         random_fill(abstract(ed.DeepseekV4, _small(hidden_size=48)), seed=0), opt
@@ -269,10 +276,9 @@ def _train_step_memory(remat: str | None) -> int:
 
 
 def test_remat_lowers_train_step_temporaries():
-    without, dots, nothing = (_train_step_memory(r) for r in (None, "dots", "nothing"))
-    print(f"16-layer train step temporaries: none {without}, dots {dots}, nothing {nothing}")
-    assert nothing < dots < without
-    assert nothing < 0.6 * without
+    without, dots = _train_step_memory(None), _train_step_memory("dots")
+    print(f"16-layer train step temporaries: no remat {without}, 'dots' {dots}")
+    assert dots < 0.5 * without
 
 
 def test_fsdp_train_step_equals_single_device():
