@@ -127,14 +127,7 @@ def plan(
     if not load_mtp:
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
     if layers is not None:
-        if not 0 < layers <= config.num_hidden_layers:
-            raise ValueError(f"--layers must be in 1..{config.num_hidden_layers}, got {layers}")
-        config = dataclasses.replace(
-            config,
-            num_hidden_layers=layers,
-            layer_types=config.layer_types[:layers],
-            mlp_layer_types=config.mlp_layer_types[:layers],
-        )
+        config = config.first_layers(layers)
     problems: list[str] = []
     tensors = list_tensors(hf_dir, problems)
     skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)

@@ -250,6 +250,18 @@ class Config:
         real 129280-token vocabulary), from `equinox_dsv4/configs/tiny.json`."""
         return cls.from_json(_CONFIG_DIR / "tiny.json", **overrides)
 
+    def first_layers(self, layers: int) -> "Config":
+        """The same config keeping only its first `layers` decoder layers (the head, MTP and
+        everything else unchanged): for smoke runs of a large model on a small machine."""
+        if not 0 < layers <= self.num_hidden_layers:
+            raise ValueError(f"layers must be in 1..{self.num_hidden_layers}, got {layers}")
+        return dataclasses.replace(
+            self,
+            num_hidden_layers=layers,
+            layer_types=self.layer_types[:layers],
+            mlp_layer_types=self.mlp_layer_types[:layers],
+        )
+
     # --- readers / writers
 
     @classmethod

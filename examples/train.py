@@ -15,7 +15,6 @@ With no model argument it trains the embedded tiny default from a seeded random 
 
 import argparse
 import contextlib
-import dataclasses
 import pathlib
 import shutil
 import sys
@@ -32,19 +31,6 @@ import equinox_dsv4 as ed
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _truncate(config: ed.Config, layers: int | None) -> ed.Config:
-    if layers is None:
-        return config
-    if not 0 < layers <= config.num_hidden_layers:
-        raise ValueError(f"--layers must be in 1..{config.num_hidden_layers}, got {layers}")
-    return dataclasses.replace(
-        config,
-        num_hidden_layers=layers,
-        layer_types=config.layer_types[:layers],
-        mlp_layer_types=config.mlp_layer_types[:layers],
-    )
-
-
 def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
     dtype = jnp.dtype(args.dtype)
     if (args.checkpoint or args.hf) and args.layers is not None:
@@ -55,7 +41,9 @@ def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
         import convert
 
         return convert.load_hf(args.hf, dtype=dtype), args.hf
-    config = _truncate(ed.Config.tiny(), args.layers)
+    config = ed.Config.tiny()
+    if args.layers is not None:
+        config = config.first_layers(args.layers)
     model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
     return model, f"the embedded tiny default, random init (seed {args.seed})"
 

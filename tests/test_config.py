@@ -135,3 +135,15 @@ def test_direct_construction_validates():
     with pytest.raises(ValueError, match="scan_min_repeats"):
         dataclasses.replace(tiny_config(), scan_min_repeats=1)
     assert tiny_config().compress_ratio(0) == 0 and tiny_config().compress_ratio(3) == 8
+
+
+def test_first_layers_keeps_the_prefix_and_rejects_bad_counts():
+    config = ed.Config.tiny()
+    short = config.first_layers(3)
+    assert short.num_hidden_layers == 3
+    assert short.layer_types == config.layer_types[:3]
+    assert short.mlp_layer_types == config.mlp_layer_types[:3]
+    assert short.num_nextn_predict_layers == config.num_nextn_predict_layers
+    for bad in (0, config.num_hidden_layers + 1):
+        with pytest.raises(ValueError, match=rf"layers must be in 1\.\.9, got {bad}"):
+            config.first_layers(bad)
