@@ -69,6 +69,13 @@ def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
     torch.manual_seed(seed)
     reference = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**config.to_hf()))
     reference = reference.eval()
+    # transformers initialises the hash routers' token->expert tables to zeros, which sends every
+    # token to expert 0 four times over; a checkpoint picks distinct experts, so do we.
+    with torch.no_grad():
+        for name, table in reference.state_dict().items():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(config.n_routed_experts)[: table.shape[1]] for _ in table]
+                table.copy_(torch.stack(rows))
     tensors = []
     for key, tensor in reference.state_dict().items():
         for name, transform in hf_to_canonical(key):

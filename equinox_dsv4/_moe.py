@@ -7,8 +7,8 @@ are renormalised over the chosen experts (`norm_topk_prob`) and scaled by
 `routed_scaling_factor`.
 
 Routed experts are computed only for the tokens that chose them: the (token, expert)
-assignments are sorted by expert into blocks of one expert each and a scan runs one matmul per
-block, so the work is proportional to `num_experts_per_tok`, never to the number of experts.
+assignments are sorted by expert into blocks of one expert each and each block is one matmul,
+so the work is proportional to `num_experts_per_tok`, never to the number of experts.
 """
 
 import math
@@ -28,6 +28,7 @@ from ._parallel import batch_axes, mesh_axis
 
 # Up to this many expert blocks (decoding, small batches) the block loop is unrolled.
 UNROLL_BLOCKS = 128
+MAX_BLOCK_LOG2 = 7
 
 
 def swiglu(
@@ -181,15 +182,17 @@ def dispatch(
 
     Assignments are sorted by expert and laid out in blocks of one expert each (each expert's
     group padded to whole blocks); each block is one matmul with its expert's weights. An
-    assignment to expert `len(w1)` (out of range) is dropped. Few blocks (decoding) are
-    unrolled, so their work is visible to XLA's cost analysis; many (prefill) run in a scan.
+    assignment to expert `len(w1)` (out of range) is dropped. With more blocks than experts
+    (prefill) a loop over experts runs each expert's blocks (`grouped_matmul`); fewer blocks
+    (decoding) are unrolled, each reading only its own expert's weights, so a decode step
+    touches `top_k` experts, not all of them.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
     rows = tokens * top_k
     # Block size: about one block per expert at this load, a power of two in [1, 256]. Each
     # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
-    block = 1 << max(0, min(8, math.ceil(math.log2(max(1, rows // n_experts)))))
+    block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
     n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
 
     expert = indices.reshape(rows)
@@ -215,24 +218,106 @@ def dispatch(
         .at[dest]
         .set(weights.reshape(rows)[order], mode="drop")
     )
-    block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
-    block_expert = jnp.minimum(block_expert, n_experts - 1)
-
-    def run_block(xb, wb, e):
-        g = linear(xb, w1[e], dtype=jnp.float32)
-        u = linear(xb, w3[e], dtype=jnp.float32)
-        # The routing weight is applied before w2, in float32, as in the official code.
-        h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
-        return linear(h, w2[e], dtype=jnp.float32)
-
     xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
-    if n_blocks <= UNROLL_BLOCKS:
-        ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
+
+    if n_blocks > n_experts:
+        # More blocks than experts (prefill): loop over experts, each reading its weights once
+        # for all its blocks. A loop over blocks reads the block's expert's weights through a
+        # traced index, which XLA:CPU copies for every block (benchmarks/NOTES.md).
+        first, count = (padded_end - padded) // block, padded // block
+        g = grouped_matmul(xs, w1, first, count)
+        u = grouped_matmul(xs, w3, first, count)
+        # The routing weight is applied before w2, in float32, as in the official code.
+        h = (swiglu(g, u, limit) * ws[..., None]).astype(x.dtype)
+        ys = grouped_matmul(h, w2, first, count)
     else:
-        ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
+        block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
+        block_expert = jnp.minimum(block_expert, n_experts - 1)
+
+        def run_block(xb, wb, e):
+            g = linear(xb, w1[e], dtype=jnp.float32)
+            u = linear(xb, w3[e], dtype=jnp.float32)
+            h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
+            return linear(h, w2[e], dtype=jnp.float32)
+
+        if n_blocks <= UNROLL_BLOCKS:
+            ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
+        else:
+            ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
     ys = ys.reshape(n_blocks * block, -1)[jnp.minimum(dest, n_blocks * block - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+
+
+def _grouped(lhs, w, first, count, contract):
+    # out[j] = lhs[j] . w[e] over w's axis `contract` (2: lhs @ w[e].T, 1: lhs @ w[e]) for the
+    # blocks j of expert e, first[e] <= j < first[e] + count[e]; other blocks stay zero.
+    n_out = w.shape[3 - contract]
+    spec = "bi,oi->bo" if contract == 2 else "bo,oi->bi"
+
+    common = max(lhs.dtype, w.dtype, key=lambda t: t.itemsize)
+
+    def expert(out, args):
+        we, start, n = args
+        we = we.astype(common)
+
+        def one_block(j, out):
+            y = jnp.einsum(spec, lhs[j].astype(common), we, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_index_in_dim(out, y, j, 0)
+
+        return jax.lax.fori_loop(start, start + n, one_block, out), None
+
+    out = _varying_like(jnp.zeros((*lhs.shape[:2], n_out), jnp.float32), lhs, w)
+    return jax.lax.scan(expert, out, (w, first, count))[0]
+
+
+def _varying_like(init: Array, *operands: Array) -> Array:
+    # Under shard_map a loop's carry must vary over the same mesh axes as what the body adds to
+    # it; a fresh zeros array varies over none.
+    def varying(a):
+        return jax.typeof(a).manual_axis_type.varying
+
+    axes = frozenset().union(*(varying(a) for a in operands)) - varying(init)
+    return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
+
+
+@jax.custom_vjp
+def grouped_matmul(
+    lhs: Float[Array, "blocks block d_in"],
+    w: Float[Array, "experts d_out d_in"],
+    first: Int[Array, " experts"],
+    count: Int[Array, " experts"],
+) -> Float[Array, "blocks block d_out"]:
+    """`lhs[j] @ w[e].T` in float32 for each block `j` of expert `e` (blocks
+    `first[e] .. first[e] + count[e] - 1`); blocks of no expert are zero. Each expert's weights
+    are read once, whatever its number of blocks; the loops have data-dependent trip counts,
+    so the gradient is written out (`w`'s is the per-expert sum of `dy[j].T @ lhs[j]`)."""
+    return _grouped(lhs, w, first, count, contract=2)
+
+
+def _grouped_fwd(lhs, w, first, count):
+    return _grouped(lhs, w, first, count, contract=2), (lhs, w, first, count)
+
+
+def _grouped_bwd(residuals, dy):
+    lhs, w, first, count = residuals
+    dlhs = _grouped(dy.astype(w.dtype), w, first, count, contract=1).astype(lhs.dtype)
+    dy = dy.astype(lhs.dtype)
+
+    def expert(_, args):
+        start, n = args
+
+        def one_block(j, acc):
+            return acc + jnp.einsum("bo,bi->oi", dy[j], lhs[j], preferred_element_type=jnp.float32)
+
+        acc = _varying_like(jnp.zeros(w.shape[1:], jnp.float32), dy, lhs)
+        return None, jax.lax.fori_loop(start, start + n, one_block, acc).astype(w.dtype)
+
+    dw = jax.lax.scan(expert, None, (first, count))[1]
+    return dlhs, dw, None, None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def expert_parallel(
