@@ -11,6 +11,7 @@ assignments are sorted by expert into blocks of one expert each and each block i
 so the work is proportional to `num_experts_per_tok`, never to the number of experts.
 """
 
+import functools
 import math
 
 import equinox as eqx
@@ -183,7 +184,7 @@ def dispatch(
     Assignments are sorted by expert and laid out in blocks of one expert each (each expert's
     group padded to whole blocks); each block is one matmul with its expert's weights. An
     assignment to expert `len(w1)` (out of range) is dropped. With more blocks than experts
-    (prefill) a loop over experts runs each expert's blocks (`grouped_matmul`); fewer blocks
+    (prefill) a loop over experts runs each expert's blocks (`expert_mlps`); fewer blocks
     (decoding) are unrolled, each reading only its own expert's weights, so a decode step
     touches `top_k` experts, not all of them.
     """
@@ -225,11 +226,7 @@ def dispatch(
         # for all its blocks. A loop over blocks reads the block's expert's weights through a
         # traced index, which XLA:CPU copies for every block (benchmarks/NOTES.md).
         first, count = (padded_end - padded) // block, padded // block
-        g = grouped_matmul(xs, w1, first, count)
-        u = grouped_matmul(xs, w3, first, count)
-        # The routing weight is applied before w2, in float32, as in the official code.
-        h = (swiglu(g, u, limit) * ws[..., None]).astype(x.dtype)
-        ys = grouped_matmul(h, w2, first, count)
+        ys = expert_mlps(xs, ws, w1, w2, w3, first, count, limit)
     else:
         block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
         block_expert = jnp.minimum(block_expert, n_experts - 1)
@@ -237,6 +234,7 @@ def dispatch(
         def run_block(xb, wb, e):
             g = linear(xb, w1[e], dtype=jnp.float32)
             u = linear(xb, w3[e], dtype=jnp.float32)
+            # The routing weight is applied before w2, in float32, as in the official code.
             h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
             return linear(h, w2[e], dtype=jnp.float32)
 
@@ -249,28 +247,6 @@ def dispatch(
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
 
 
-def _grouped(lhs, w, first, count, contract):
-    # out[j] = lhs[j] . w[e] over w's axis `contract` (2: lhs @ w[e].T, 1: lhs @ w[e]) for the
-    # blocks j of expert e, first[e] <= j < first[e] + count[e]; other blocks stay zero.
-    n_out = w.shape[3 - contract]
-    spec = "bi,oi->bo" if contract == 2 else "bo,oi->bi"
-
-    common = max(lhs.dtype, w.dtype, key=lambda t: t.itemsize)
-
-    def expert(out, args):
-        we, start, n = args
-        we = we.astype(common)
-
-        def one_block(j, out):
-            y = jnp.einsum(spec, lhs[j].astype(common), we, preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_index_in_dim(out, y, j, 0)
-
-        return jax.lax.fori_loop(start, start + n, one_block, out), None
-
-    out = _varying_like(jnp.zeros((*lhs.shape[:2], n_out), jnp.float32), lhs, w)
-    return jax.lax.scan(expert, out, (w, first, count))[0]
-
-
 def _varying_like(init: Array, *operands: Array) -> Array:
     # Under shard_map a loop's carry must vary over the same mesh axes as what the body adds to
     # it; a fresh zeros array varies over none.
@@ -281,43 +257,101 @@ def _varying_like(init: Array, *operands: Array) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
-@jax.custom_vjp
-def grouped_matmul(
-    lhs: Float[Array, "blocks block d_in"],
-    w: Float[Array, "experts d_out d_in"],
+def _hidden(xb, wb, w1e, w3e, limit, dtype):
+    # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype).
+    g = jnp.einsum("bi,oi->bo", xb, w1e, preferred_element_type=jnp.float32)
+    u = jnp.einsum("bi,oi->bo", xb, w3e, preferred_element_type=jnp.float32)
+    a = swiglu(g, u, limit)
+    # The routing weight is applied before w2, in float32, as in the official code.
+    return g, u, a, (a * wb[:, None]).astype(dtype)
+
+
+def _wide(xs: Array, w: Array):
+    # bf16 activations against float32 weights (or the reverse) meet in the wider dtype.
+    return max(xs.dtype, w.dtype, key=lambda t: t.itemsize)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def expert_mlps(
+    xs: Float[Array, "blocks block d_model"],
+    ws: Float[Array, "blocks block"],
+    w1: Float[Array, "experts inter d_model"],
+    w2: Float[Array, "experts d_model inter"],
+    w3: Float[Array, "experts inter d_model"],
     first: Int[Array, " experts"],
     count: Int[Array, " experts"],
-) -> Float[Array, "blocks block d_out"]:
-    """`lhs[j] @ w[e].T` in float32 for each block `j` of expert `e` (blocks
-    `first[e] .. first[e] + count[e] - 1`); blocks of no expert are zero. Each expert's weights
-    are read once, whatever its number of blocks; the loops have data-dependent trip counts,
-    so the gradient is written out (`w`'s is the per-expert sum of `dy[j].T @ lhs[j]`)."""
-    return _grouped(lhs, w, first, count, contract=2)
+    limit: float,
+) -> Float[Array, "blocks block d_model"]:
+    """The routed experts on blocks of sorted rows: block `j` of expert `e` (`first[e] <= j <
+    first[e] + count[e]`) becomes `w2[e] (ws[j] * swiglu(w1[e] xs[j], w3[e] xs[j]))`, float32;
+    blocks of no expert are zero.
+
+    A loop over experts, each running its own blocks in an inner loop, so each expert's weights
+    are read once per call and a block's gate, up and hidden values never leave the loop body.
+    The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
+    the gradient is written out: the backward pass recomputes each block's hidden values and
+    sums each expert's weight gradients over its blocks.
+    """
+    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit)[0]
 
 
-def _grouped_fwd(lhs, w, first, count):
-    return _grouped(lhs, w, first, count, contract=2), (lhs, w, first, count)
+def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit):
+    c = _wide(xs, w1)
+
+    def expert(out, args):
+        w1e, w2e, w3e, start, n = args
+        w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
+
+        def one_block(j, out):
+            h = _hidden(xs[j].astype(c), ws[j], w1e, w3e, limit, xs.dtype)[3]
+            y = jnp.einsum("bi,oi->bo", h.astype(c), w2e, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_index_in_dim(out, y, j, 0)
+
+        return jax.lax.fori_loop(start, start + n, one_block, out), None
+
+    out = _varying_like(jnp.zeros((*xs.shape[:2], w2.shape[1]), jnp.float32), xs, w1)
+    out = jax.lax.scan(expert, out, (w1, w2, w3, first, count))[0]
+    return out, (xs, ws, w1, w2, w3, first, count)
 
 
-def _grouped_bwd(residuals, dy):
-    lhs, w, first, count = residuals
-    dlhs = _grouped(dy.astype(w.dtype), w, first, count, contract=1).astype(lhs.dtype)
-    dy = dy.astype(lhs.dtype)
+def _expert_mlps_bwd(limit, residuals, dys):
+    xs, ws, w1, w2, w3, first, count = residuals
+    c = _wide(xs, w1)
 
-    def expert(_, args):
-        start, n = args
+    def dot(spec, a, b):
+        return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
 
-        def one_block(j, acc):
-            return acc + jnp.einsum("bo,bi->oi", dy[j], lhs[j], preferred_element_type=jnp.float32)
+    def expert(carry, args):
+        w1e, w2e, w3e, start, n = args
+        w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
 
-        acc = _varying_like(jnp.zeros(w.shape[1:], jnp.float32), dy, lhs)
-        return None, jax.lax.fori_loop(start, start + n, one_block, acc).astype(w.dtype)
+        def one_block(j, carry):
+            dxs, dws, d1, d2, d3 = carry
+            xb, wb, dy = xs[j].astype(c), ws[j], dys[j]
+            g, u, a, h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype)
+            d2 = d2 + dot("bo,bi->oi", dy, h)
+            dh = dot("bo,oi->bi", dy, w2e)
+            dws = jax.lax.dynamic_update_index_in_dim(dws, jnp.sum(dh * a, axis=-1), j, 0)
+            dg, du = jax.vjp(lambda g, u: swiglu(g, u, limit), g, u)[1](dh * wb[:, None])
+            d1 = d1 + dot("bo,bi->oi", dg, xb)
+            d3 = d3 + dot("bo,bi->oi", du, xb)
+            dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
+            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dx.astype(xs.dtype), j, 0)
+            return dxs, dws, d1, d2, d3
 
-    dw = jax.lax.scan(expert, None, (first, count))[1]
-    return dlhs, dw, None, None
+        zeros = [_varying_like(jnp.zeros(w.shape, jnp.float32), xs, dys, w1) for w in args[:3]]
+        dxs, dws, d1, d2, d3 = jax.lax.fori_loop(start, start + n, one_block, (*carry, *zeros))
+        return (dxs, dws), (d1.astype(w1.dtype), d2.astype(w2.dtype), d3.astype(w3.dtype))
+
+    init = (
+        _varying_like(jnp.zeros_like(xs), dys, w1),
+        _varying_like(jnp.zeros(ws.shape, jnp.float32), dys, w1),
+    )
+    (dxs, dws), (d1, d2, d3) = jax.lax.scan(expert, init, (w1, w2, w3, first, count))
+    return dxs, dws, d1, d2, d3, None, None
 
 
-grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+expert_mlps.defvjp(_expert_mlps_fwd, _expert_mlps_bwd)
 
 
 def expert_parallel(
