@@ -30,6 +30,8 @@ from ._parallel import batch_axes, mesh_axis
 # Up to this many expert blocks (decoding, small batches) the block loop is unrolled.
 UNROLL_BLOCKS = 128
 MAX_BLOCK_LOG2 = 7
+# The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
+TAIL_ROWS = 16
 
 
 def swiglu(
@@ -191,42 +193,35 @@ def dispatch(
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
     rows = tokens * top_k
-    # Block size: about one block per expert at this load, a power of two in [1, 256]. Each
+    # Block size: about one block per expert at this load, a power of two in [1, 128]. Each
     # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
     block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
     n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
+    # More blocks than experts (prefill): a loop over experts, each reading its weights once
+    # for all its rows (`expert_mlps`); a loop over blocks would read each block's expert's
+    # weights through a traced index, which XLA:CPU copies for every block (NOTES.md). Its
+    # groups are padded to `TAIL_ROWS` only: each runs in whole blocks, then in short ones.
+    by_expert = n_blocks > n_experts
+    pad = min(TAIL_ROWS, block) if by_expert else block
+    size = -(-(rows + min(n_experts, rows) * (pad - 1)) // block) * block
 
     expert = indices.reshape(rows)
     order = jnp.argsort(expert, stable=True)
     expert_sorted = expert[order]
     token_sorted = order // top_k
     counts = jnp.bincount(expert, length=n_experts)  # the dropped expert is not counted
-    padded = -(-counts // block) * block
+    padded = -(-counts // pad) * pad
     padded_end = jnp.cumsum(padded)
     # Row r of the sorted assignments goes to its expert's padded group, in order.
     safe = jnp.minimum(expert_sorted, n_experts - 1)
     rank = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[safe]
-    dest = jnp.where(
-        expert_sorted < n_experts, (padded_end - padded)[safe] + rank, n_blocks * block
-    )
-    xs = (
-        jnp.zeros((n_blocks * block, x.shape[-1]), x.dtype)
-        .at[dest]
-        .set(x[token_sorted], mode="drop")
-    )
-    ws = (
-        jnp.zeros((n_blocks * block,), jnp.float32)
-        .at[dest]
-        .set(weights.reshape(rows)[order], mode="drop")
-    )
-    xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
+    dest = jnp.where(expert_sorted < n_experts, (padded_end - padded)[safe] + rank, size)
+    xs = jnp.zeros((size, x.shape[-1]), x.dtype).at[dest].set(x[token_sorted], mode="drop")
+    ws = jnp.zeros((size,), jnp.float32).at[dest].set(weights.reshape(rows)[order], mode="drop")
 
-    if n_blocks > n_experts:
-        # More blocks than experts (prefill): loop over experts, each reading its weights once
-        # for all its blocks. A loop over blocks reads the block's expert's weights through a
-        # traced index, which XLA:CPU copies for every block (benchmarks/NOTES.md).
-        first, count = (padded_end - padded) // block, padded // block
-        ys = expert_mlps(xs, ws, w1, w2, w3, first, count, limit)
+    if by_expert:
+        first = padded_end - padded
+        ys = expert_mlps(xs, ws, w1, w2, w3, first, padded, limit, block, pad)
     else:
         block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
         block_expert = jnp.minimum(block_expert, n_experts - 1)
@@ -238,11 +233,13 @@ def dispatch(
             h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
             return linear(h, w2[e], dtype=jnp.float32)
 
+        xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
         if n_blocks <= UNROLL_BLOCKS:
             ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
         else:
             ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
-    ys = ys.reshape(n_blocks * block, -1)[jnp.minimum(dest, n_blocks * block - 1)]
+        ys = ys.reshape(size, -1)
+    ys = ys[jnp.minimum(dest, size - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
 
@@ -271,50 +268,65 @@ def _wide(xs: Array, w: Array):
     return max(xs.dtype, w.dtype, key=lambda t: t.itemsize)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _over_rows(start, n, block, tail, carry, body):
+    # body(carry, offset, size) over rows [start, start + n), n a multiple of `tail`: whole
+    # blocks of `block` rows, then the rest in blocks of `tail` rows.
+    whole = n // block
+    carry = jax.lax.fori_loop(0, whole, lambda i, c: body(c, start + i * block, block), carry)
+    rest = start + whole * block
+    short = (n - whole * block) // tail
+    return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def expert_mlps(
-    xs: Float[Array, "blocks block d_model"],
-    ws: Float[Array, "blocks block"],
+    xs: Float[Array, "rows d_model"],
+    ws: Float[Array, " rows"],
     w1: Float[Array, "experts inter d_model"],
     w2: Float[Array, "experts d_model inter"],
     w3: Float[Array, "experts inter d_model"],
     first: Int[Array, " experts"],
     count: Int[Array, " experts"],
     limit: float,
-) -> Float[Array, "blocks block d_model"]:
-    """The routed experts on blocks of sorted rows: block `j` of expert `e` (`first[e] <= j <
-    first[e] + count[e]`) becomes `w2[e] (ws[j] * swiglu(w1[e] xs[j], w3[e] xs[j]))`, float32;
-    blocks of no expert are zero.
+    block: int,
+    tail: int,
+) -> Float[Array, "rows d_model"]:
+    """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
+    (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`, float32;
+    rows of no expert are zero.
 
-    A loop over experts, each running its own blocks in an inner loop, so each expert's weights
-    are read once per call and a block's gate, up and hidden values never leave the loop body.
+    A loop over experts, each running its rows in an inner loop of `block`-row matmuls (then
+    `tail`-row ones for the rest), so each expert's weights are read once per call, little is
+    computed for padding, and a block's gate, up and hidden values never leave the loop body.
     The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
     the gradient is written out: the backward pass recomputes each block's hidden values and
     sums each expert's weight gradients over its blocks.
     """
-    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit)[0]
+    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail)[0]
 
 
-def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit):
+def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
     c = _wide(xs, w1)
 
     def expert(out, args):
         w1e, w2e, w3e, start, n = args
         w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
 
-        def one_block(j, out):
-            h = _hidden(xs[j].astype(c), ws[j], w1e, w3e, limit, xs.dtype)[3]
+        def rows(out, offset, size):
+            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
+            wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
+            h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype)[3]
             y = jnp.einsum("bi,oi->bo", h.astype(c), w2e, preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_index_in_dim(out, y, j, 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
 
-        return jax.lax.fori_loop(start, start + n, one_block, out), None
+        return _over_rows(start, n, block, tail, out, rows), None
 
-    out = _varying_like(jnp.zeros((*xs.shape[:2], w2.shape[1]), jnp.float32), xs, w1)
+    out = _varying_like(jnp.zeros((xs.shape[0], w2.shape[1]), jnp.float32), xs, w1)
     out = jax.lax.scan(expert, out, (w1, w2, w3, first, count))[0]
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
-def _expert_mlps_bwd(limit, residuals, dys):
+def _expert_mlps_bwd(limit, block, tail, residuals, dys):
     xs, ws, w1, w2, w3, first, count = residuals
     c = _wide(xs, w1)
 
@@ -325,22 +337,24 @@ def _expert_mlps_bwd(limit, residuals, dys):
         w1e, w2e, w3e, start, n = args
         w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
 
-        def one_block(j, carry):
+        def rows(carry, offset, size):
             dxs, dws, d1, d2, d3 = carry
-            xb, wb, dy = xs[j].astype(c), ws[j], dys[j]
+            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
+            wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
+            dy = jax.lax.dynamic_slice_in_dim(dys, offset, size)
             g, u, a, h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype)
             d2 = d2 + dot("bo,bi->oi", dy, h)
             dh = dot("bo,oi->bi", dy, w2e)
-            dws = jax.lax.dynamic_update_index_in_dim(dws, jnp.sum(dh * a, axis=-1), j, 0)
+            dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.sum(dh * a, axis=-1), offset, 0)
             dg, du = jax.vjp(lambda g, u: swiglu(g, u, limit), g, u)[1](dh * wb[:, None])
             d1 = d1 + dot("bo,bi->oi", dg, xb)
             d3 = d3 + dot("bo,bi->oi", du, xb)
             dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
-            dxs = jax.lax.dynamic_update_index_in_dim(dxs, dx.astype(xs.dtype), j, 0)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(xs.dtype), offset, 0)
             return dxs, dws, d1, d2, d3
 
         zeros = [_varying_like(jnp.zeros(w.shape, jnp.float32), xs, dys, w1) for w in args[:3]]
-        dxs, dws, d1, d2, d3 = jax.lax.fori_loop(start, start + n, one_block, (*carry, *zeros))
+        dxs, dws, d1, d2, d3 = _over_rows(start, n, block, tail, (*carry, *zeros), rows)
         return (dxs, dws), (d1.astype(w1.dtype), d2.astype(w2.dtype), d3.astype(w3.dtype))
 
     init = (

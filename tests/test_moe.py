@@ -126,9 +126,10 @@ def test_all_tokens_on_one_expert(getkey):
 
 
 def test_expert_loop_gradient_matches_dense(getkey):
-    # 300 tokens x top-2 over 8 experts: more row blocks than experts, so `dispatch` takes the
-    # expert loop (`expert_mlps`, whose gradient is written by hand). Expert 3 gets no token.
-    tokens, experts, top_k, limit = 300, 8, 2, 0.7
+    # 700 tokens x top-2 over 8 experts: more row blocks than experts, so `dispatch` takes the
+    # expert loop (`expert_mlps`, whose gradient is written by hand), where each expert's ~200
+    # rows run as one 128-row block and then 16-row ones. Expert 3 gets no token.
+    tokens, experts, top_k, limit = 700, 8, 2, 0.7
     config = tiny_config(n_routed_experts=experts, num_experts_per_tok=top_k)
     layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.Experts, config), 6))
     x = jax.random.normal(getkey(), (tokens, config.hidden_size))
