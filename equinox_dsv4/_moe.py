@@ -29,6 +29,7 @@ from ._parallel import batch_axes, mesh_axis
 
 # Up to this many expert blocks (decoding, small batches) the block loop is unrolled.
 UNROLL_BLOCKS = 128
+# Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
 MAX_BLOCK_LOG2 = 7
 # The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
 TAIL_ROWS = 16
@@ -198,9 +199,8 @@ def dispatch(
     block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
     n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
     # More blocks than experts (prefill): a loop over experts, each reading its weights once
-    # for all its rows (`expert_mlps`); a loop over blocks would read each block's expert's
-    # weights through a traced index, which XLA:CPU copies for every block (NOTES.md). Its
-    # groups are padded to `TAIL_ROWS` only: each runs in whole blocks, then in short ones.
+    # for all its rows (`expert_mlps`), with groups padded to `TAIL_ROWS` rather than to whole
+    # blocks (benchmarks/NOTES.md has what each choice measured).
     by_expert = n_blocks > n_experts
     pad = min(TAIL_ROWS, block) if by_expert else block
     size = -(-(rows + min(n_experts, rows) * (pad - 1)) // block) * block
