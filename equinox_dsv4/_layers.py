@@ -93,13 +93,18 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
+def wider_dtype(a: Array, b: Array) -> jnp.dtype:
+    """The wider of two operands' dtypes, where mixed operands (bf16 activations against
+    float32 weights, or the reverse) meet: strict dtype promotion has no bf16/f32 lattice."""
+    return max(a.dtype, b.dtype, key=lambda t: t.itemsize)
+
+
 def linear(
     x: Float[Array, "*batch in"], weight: Float[Array, "out in"], *, dtype: DTypeLike | None = None
 ) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype)."""
     if x.dtype != weight.dtype:
-        # Explicit widening (strict dtype promotion has no bf16/f32 lattice).
-        common = max(x.dtype, weight.dtype, key=lambda t: t.itemsize)
+        common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)

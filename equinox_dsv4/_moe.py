@@ -23,7 +23,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._layers import Linear, f32, init_normal, lead, linear
+from ._layers import Linear, f32, init_normal, lead, linear, wider_dtype
 from ._parallel import batch_axes, mesh_axis
 
 
@@ -203,7 +203,7 @@ def dispatch(
     # blocks (benchmarks/NOTES.md has what each choice measured).
     by_expert = n_blocks > n_experts
     pad = min(TAIL_ROWS, block) if by_expert else block
-    size = -(-(rows + min(n_experts, rows) * (pad - 1)) // block) * block
+    size = -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
 
     expert = indices.reshape(rows)
     order = jnp.argsort(expert, stable=True)
@@ -227,11 +227,7 @@ def dispatch(
         block_expert = jnp.minimum(block_expert, n_experts - 1)
 
         def run_block(xb, wb, e):
-            g = linear(xb, w1[e], dtype=jnp.float32)
-            u = linear(xb, w3[e], dtype=jnp.float32)
-            # The routing weight is applied before w2, in float32, as in the official code.
-            h = (swiglu(g, u, limit) * wb[:, None]).astype(x.dtype)
-            return linear(h, w2[e], dtype=jnp.float32)
+            return _expert_block(xb, wb, w1[e], w2[e], w3[e], limit, x.dtype)
 
         xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
         if n_blocks <= UNROLL_BLOCKS:
@@ -256,16 +252,16 @@ def _varying_like(init: Array, *operands: Array) -> Array:
 
 def _hidden(xb, wb, w1e, w3e, limit, dtype):
     # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype).
-    g = jnp.einsum("bi,oi->bo", xb, w1e, preferred_element_type=jnp.float32)
-    u = jnp.einsum("bi,oi->bo", xb, w3e, preferred_element_type=jnp.float32)
+    g = linear(xb, w1e, dtype=jnp.float32)
+    u = linear(xb, w3e, dtype=jnp.float32)
     a = swiglu(g, u, limit)
     # The routing weight is applied before w2, in float32, as in the official code.
     return g, u, a, (a * wb[:, None]).astype(dtype)
 
 
-def _wide(xs: Array, w: Array):
-    # bf16 activations against float32 weights (or the reverse) meet in the wider dtype.
-    return max(xs.dtype, w.dtype, key=lambda t: t.itemsize)
+def _expert_block(xb, wb, w1e, w2e, w3e, limit, dtype):
+    # One block of one expert's rows through that expert, float32.
+    return linear(_hidden(xb, wb, w1e, w3e, limit, dtype)[3], w2e, dtype=jnp.float32)
 
 
 def _over_rows(start, n, block, tail, carry, body):
@@ -306,17 +302,16 @@ def expert_mlps(
 
 
 def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
-    c = _wide(xs, w1)
+    c = wider_dtype(xs, w1)
 
     def expert(out, args):
         w1e, w2e, w3e, start, n = args
         w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
 
         def rows(out, offset, size):
-            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
+            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
-            h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype)[3]
-            y = jnp.einsum("bi,oi->bo", h.astype(c), w2e, preferred_element_type=jnp.float32)
+            y = _expert_block(xb, wb, w1e, w2e, w3e, limit, xs.dtype)
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
 
         return _over_rows(start, n, block, tail, out, rows), None
@@ -328,7 +323,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
 
 def _expert_mlps_bwd(limit, block, tail, residuals, dys):
     xs, ws, w1, w2, w3, first, count = residuals
-    c = _wide(xs, w1)
+    c = wider_dtype(xs, w1)
 
     def dot(spec, a, b):
         return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
