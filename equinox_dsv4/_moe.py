@@ -27,8 +27,6 @@ from ._layers import Linear, f32, init_normal, lead, linear, wider_dtype
 from ._parallel import batch_axes, mesh_axis
 
 
-# Up to this many expert blocks (decoding, small batches) the block loop is unrolled.
-UNROLL_BLOCKS = 128
 # Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
 MAX_BLOCK_LOG2 = 7
 # The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
@@ -188,8 +186,8 @@ def dispatch(
     group padded to whole blocks); each block is one matmul with its expert's weights. An
     assignment to expert `len(w1)` (out of range) is dropped. With more blocks than experts
     (prefill) a loop over experts runs each expert's blocks (`expert_mlps`); fewer blocks
-    (decoding) are unrolled, each reading only its own expert's weights, so a decode step
-    touches `top_k` experts, not all of them.
+    (decoding) run in a loop over blocks, each reading only its own expert's weights, so a
+    decode step touches `top_k` experts, not all of them.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
@@ -230,10 +228,11 @@ def dispatch(
             return _expert_block(xb, wb, w1[e], w2[e], w3[e], limit, x.dtype)
 
         xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
-        if n_blocks <= UNROLL_BLOCKS:
-            ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
-        else:
-            ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
+        # A loop, not unrolled blocks: XLA:CPU copies each block's expert weights out of the
+        # stack and gave every unrolled block its own copy buffer, which made the decode step's
+        # temporaries large enough (38 MB in the small config) for malloc to map them fresh,
+        # page faults included, on every step (benchmarks/NOTES.md, Round 3).
+        ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
         ys = ys.reshape(size, -1)
     ys = ys[jnp.minimum(dest, size - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
