@@ -109,14 +109,23 @@ _FP32_MODULES = {
 
 def timed(fn, repeats: int, warmup: int = 1) -> float:
     """Median seconds of `fn()` (which must block until done) over `repeats` runs."""
+    return timed_with_faults(fn, repeats, warmup)[0]
+
+
+def timed_with_faults(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
+    """As `timed`, and the process's minor page faults per timed run."""
+    import resource
+
     for _ in range(warmup):
         fn()
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return statistics.median(times), faults / repeats
 
 
 def machine() -> dict:
@@ -153,6 +162,32 @@ def set_threads(n: int | None = None) -> int:
     n = n or os.cpu_count() or 1
     torch.set_num_threads(n)
     return n
+
+
+KEEP_FREED_MEMORY = "--keep-freed-memory"
+KEEP_FREED_HELP = (
+    "set glibc's malloc to keep freed memory for reuse (mmap and trim thresholds at 2 GB) before "
+    "either framework runs, so neither pays page faults for its working set on every call; "
+    "results go to <name>-keep-freed-memory.{json,md}, without plots"
+)
+
+
+def keep_freed_memory() -> str:
+    """Keep freed memory in this process's heap instead of returning it to the OS.
+
+    Both frameworks allocate each call's working memory with malloc. glibc serves requests over
+    32 MiB with fresh mappings and trims the heap's free top, so a call touching hundreds of MB
+    of temporaries takes a page fault for every 4 KiB page of them, every call. Raising both
+    thresholds makes freed blocks reusable. Process-wide, so it applies to JAX and torch
+    alike. Returns the suffix for result names."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    for option in (m_mmap_threshold, m_trim_threshold):
+        if libc.mallopt(option, ctypes.c_int(2_000_000_000)) != 1:
+            raise RuntimeError(f"mallopt({option}) was refused; is this glibc?")
+    return "-keep-freed-memory"
 
 
 def block(x):

@@ -6,6 +6,7 @@ prefill; only at the context lengths it manages on this machine (`--reference-co
 Batch 1, float32, the "small" config (benchmarks/common.py).
 
     python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 16]
+                                [--keep-freed-memory]
 
 Writes benchmarks/results/decode.{json,md,png}.
 """
@@ -16,20 +17,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
+    KEEP_FREED_HELP,
+    KEEP_FREED_MEMORY,
     block,
+    keep_freed_memory,
     markdown,
     random_ids,
     reference_and_ours,
     set_threads,
     small_config,
-    timed,
+    timed_with_faults,
     write,
 )
 
 import equinox_dsv4 as ed
 
 
-def ours_latency(model, context: int, steps: int) -> float:
+def ours_latency(model, context: int, steps: int) -> tuple[float, float]:
     ids = random_ids(1, context)
     max_len = -(-(context + steps + 8) // 64) * 64
     cache = model.init_cache(1, max_len)
@@ -40,18 +44,17 @@ def ours_latency(model, context: int, steps: int) -> float:
     )
     active = jnp.ones((1,), jnp.int32)
     token, cache = ed.decode_step(model, token, active, cache, key, greedy)  # compile
-    times = []
-    import time
 
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    def step():
+        nonlocal token, cache
         token, cache = ed.decode_step(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
         block(token)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+
+    return timed_with_faults(step, steps, warmup=0)
 
 
-def reference_latency(reference, context: int, steps: int) -> float:
+def reference_latency(reference, context: int, steps: int) -> tuple[float, float]:
+    """Median seconds per decoded token, and page faults per token."""
     import torch
 
     ids = torch.from_numpy(random_ids(1, context).astype(np.int64))
@@ -69,7 +72,7 @@ def reference_latency(reference, context: int, steps: int) -> float:
             cache, token = out.cache, out.logits[:, -1:].argmax(-1)
             mask = torch.ones((1, mask.shape[1] + 1), dtype=torch.long)
 
-        return timed(step, steps, warmup=1)
+        return timed_with_faults(step, steps, warmup=1)
 
 
 def main() -> int:
@@ -77,23 +80,27 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument(KEEP_FREED_MEMORY, action="store_true", help=KEEP_FREED_HELP)
     args = parser.parse_args()
+    suffix = keep_freed_memory() if args.keep_freed_memory else ""
     threads = set_threads()
     config = small_config()
     reference, ours = reference_and_ours(config, jnp.float32)
     rows, table = [], []
     for context in args.contexts:
-        ours_s = ours_latency(ours, context, args.steps)
-        ref_s = (
+        ours_s, ours_faults = ours_latency(ours, context, args.steps)
+        ref_s, ref_faults = (
             reference_latency(reference, context, args.steps)
             if context in args.reference_contexts
-            else None
+            else (None, None)
         )
         row = {
             "context": context,
             "ours_ms": 1e3 * ours_s,
             "transformers_ms": None if ref_s is None else 1e3 * ref_s,
             "speedup": None if ref_s is None else ref_s / ours_s,
+            "ours_page_faults": ours_faults,
+            "transformers_page_faults": ref_faults,
         }
         rows.append(row)
         table.append(
@@ -102,13 +109,14 @@ def main() -> int:
                 f"{row['ours_ms']:.2f}",
                 "-" if ref_s is None else f"{row['transformers_ms']:.1f}",
                 "-" if ref_s is None else f"{row['speedup']:.1f}x",
+                f"{ours_faults:.0f} / " + ("-" if ref_s is None else f"{ref_faults:.0f}"),
             ]
         )
         print(table[-1], flush=True)
     base = rows[0]["ours_ms"]
     for row, cells in zip(rows, table, strict=True):
         row["ours_vs_first"] = row["ours_ms"] / base
-        cells.append(f"{row['ours_vs_first']:.2f}")
+        cells.insert(4, f"{row['ours_vs_first']:.2f}")
     md = markdown(
         [
             "context",
@@ -116,11 +124,18 @@ def main() -> int:
             "transformers ms / token",
             "ratio",
             f"ours vs {rows[0]['context']}",
+            "page faults per token, ours / transformers",
         ],
         table,
     )
-    write("decode", rows, md, {"config": config.to_hf(), "threads": threads, "steps": args.steps})
-    _plot(rows)
+    write(
+        "decode" + suffix,
+        rows,
+        md,
+        {"config": config.to_hf(), "threads": threads, "steps": args.steps},
+    )
+    if not suffix:
+        _plot(rows)
     return 0
 
 

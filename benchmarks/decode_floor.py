@@ -1,28 +1,54 @@
-"""The floor under one decoded token of the small config: the output head's matrix-vector
-product (129280 x 512 weights, read once per token), timed side by side in JAX and torch.
+"""The floor under one decoded token of the small config, and the best decode ratio against
+transformers that it allows on this machine.
 
 Decoding one token must read the head, the embedding row, each layer's dense weights and the
-chosen experts' weights. On a CPU this is memory-bound and the head alone is most of it. This
-script times that single product in both frameworks, the same way the decode benchmark times a
-step (median over repeats, after a warm-up), so the decode ratios can be read against it.
+chosen experts' weights (plus caches, small at these contexts). On a CPU this is memory-bound.
+This script times the largest of those reads, the output head's matrix-vector product
+(129280 x 512 weights), side by side in JAX and torch, the same way the decode benchmark times
+a step (median over repeats, after a warm-up). At the faster of the two rates it prices the
+weights a whole step must read (counted from the model: embedding and hash tables one row,
+routed experts `top_k / n_experts` of theirs) and divides transformers' decode step, timed in
+the same run, by that floor: no implementation on this machine can beat that ratio.
 
-    python benchmarks/decode_floor.py [--dtype float32]
+    python benchmarks/decode_floor.py [--dtype float32] [--context 4096]
 
 Writes benchmarks/results/decode_floor.{json,md}.
 """
 
 import argparse
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import block, markdown, set_threads, small_config, timed, write
+from common import block, markdown, reference_and_ours, set_threads, small_config, timed, write
+from decode import reference_latency
+
+import equinox_dsv4 as ed
+
+
+def step_bytes(config: ed.Config, dtype) -> int:
+    """Weight bytes one decoded token must read: all of them, except that the embedding and the
+    hash routers' tables give one row each and the routed experts `top_k / n_experts`."""
+    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    total = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
+        name = jax.tree_util.keystr(path)
+        nbytes = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        if name.endswith(".embed.weight") or name.endswith(".tid2eid"):
+            nbytes //= leaf.shape[-2]
+        elif ".experts." in name:
+            nbytes = nbytes * config.num_experts_per_tok // config.n_routed_experts
+        total += nbytes
+    return total
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     threads = set_threads()
     import torch
@@ -41,30 +67,53 @@ def main() -> int:
     with torch.no_grad():
         ref = timed(lambda: torch.nn.functional.linear(tx, tw), args.repeats)
     nbytes = v * d * dtype.itemsize
-    rows = [
-        {
-            "dtype": args.dtype,
-            "head_bytes": nbytes,
-            "jax_ms": 1e3 * ours,
-            "torch_ms": 1e3 * ref,
-            "jax_GBps": nbytes / ours / 1e9,
-            "torch_GBps": nbytes / ref / 1e9,
-        }
-    ]
+    rate = nbytes / min(ours, ref)
+    floor = step_bytes(config, dtype) / rate
+    reference, _ = reference_and_ours(config, dtype)
+    step = reference_latency(reference, args.context, args.steps)[0]
+    row = {
+        "dtype": args.dtype,
+        "head_bytes": nbytes,
+        "jax_ms": 1e3 * ours,
+        "torch_ms": 1e3 * ref,
+        "jax_GBps": nbytes / ours / 1e9,
+        "torch_GBps": nbytes / ref / 1e9,
+        "step_bytes": step_bytes(config, dtype),
+        "floor_ms": 1e3 * floor,
+        "context": args.context,
+        "transformers_step_ms": 1e3 * step,
+        "best_ratio": step / floor,
+    }
     table = markdown(
         ["dtype", "head MiB", "JAX ms", "torch ms", "JAX GB/s", "torch GB/s"],
         [
             [
-                r["dtype"],
-                f"{r['head_bytes'] / 2**20:.0f}",
-                f"{r['jax_ms']:.2f}",
-                f"{r['torch_ms']:.2f}",
-                f"{r['jax_GBps']:.1f}",
-                f"{r['torch_GBps']:.1f}",
+                row["dtype"],
+                f"{row['head_bytes'] / 2**20:.0f}",
+                f"{row['jax_ms']:.2f}",
+                f"{row['torch_ms']:.2f}",
+                f"{row['jax_GBps']:.1f}",
+                f"{row['torch_GBps']:.1f}",
             ]
-            for r in rows
         ],
     )
+    table += "\n" + markdown(
+        [
+            "weights per token MiB",
+            "floor ms (at the faster rate)",
+            f"transformers ms / token at {args.context}",
+            "best possible ratio",
+        ],
+        [
+            [
+                f"{row['step_bytes'] / 2**20:.0f}",
+                f"{row['floor_ms']:.2f}",
+                f"{row['transformers_step_ms']:.1f}",
+                f"{row['best_ratio']:.1f}x",
+            ]
+        ],
+    )
+    rows = [row]
     write("decode_floor", rows, table, {"threads": threads})
     return 0
 

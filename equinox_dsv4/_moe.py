@@ -179,6 +179,7 @@ def dispatch(
     w2: Float[Array, "experts d_model inter"],
     w3: Float[Array, "experts inter d_model"],
     limit: float,
+    loop_blocks: bool = True,
 ) -> Float[Array, "tokens d_model"]:
     """Routed experts for the (token, expert) assignments, computed only where assigned.
 
@@ -186,8 +187,8 @@ def dispatch(
     group padded to whole blocks); each block is one matmul with its expert's weights. An
     assignment to expert `len(w1)` (out of range) is dropped. With more blocks than experts
     (prefill) a loop over experts runs each expert's blocks (`expert_mlps`); fewer blocks
-    (decoding) run in a loop over blocks, each reading only its own expert's weights, so a
-    decode step touches `top_k` experts, not all of them.
+    (decoding) run in a loop over blocks (unrolled with `loop_blocks=False`), each reading only
+    its own expert's weights, so a decode step touches `top_k` experts, not all of them.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
@@ -228,11 +229,14 @@ def dispatch(
             return _expert_block(xb, wb, w1[e], w2[e], w3[e], limit, x.dtype)
 
         xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
-        # A loop, not unrolled blocks: XLA:CPU copies each block's expert weights out of the
-        # stack and gave every unrolled block its own copy buffer, which made the decode step's
-        # temporaries large enough (38 MB in the small config) for malloc to map them fresh,
-        # page faults included, on every step (benchmarks/NOTES.md, Round 3).
-        ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
+        # XLA:CPU copies each block's expert weights out of the stack. Unrolled, every block
+        # got its own copy buffer: the small config's decode step had 38 MB of temporaries,
+        # which malloc mapped fresh, page faults included, on every step. In a loop the copies
+        # share one buffer (benchmarks/NOTES.md, Round 3).
+        if loop_blocks:
+            ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
+        else:
+            ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
         ys = ys.reshape(size, -1)
     ys = ys[jnp.minimum(dest, size - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
@@ -391,7 +395,9 @@ def expert_parallel(
         first = jax.lax.axis_index("expert") * w1.shape[0]
         mine = (indices >= first) & (indices < first + w1.shape[0])
         local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
-        y = dispatch(x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit)
+        # Unrolled blocks: a loop over them would take in a copy of the gathered weights (V4-Flash
+        # decode on 64 devices: +3.5 GiB of temporaries per device, benchmarks/NOTES.md).
+        y = dispatch(x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit, False)
         return jax.lax.psum(y, reduce)
 
     row = P(tokens, None)
