@@ -63,6 +63,21 @@ def small_config(layers: int = 8, **overrides) -> ed.Config:
 
 def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
     """A random transformers model and our model with the same weights, both in `dtype`."""
+    reference = _random_reference(config, seed)
+    tensors = []
+    for key, tensor in reference.state_dict().items():
+        for name, transform in hf_to_canonical(key):
+            tensors.append((name, transform(tensor.numpy())))
+    skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    return _in_dtype(reference, dtype), fill(skeleton, tensors)
+
+
+def reference_model(config: ed.Config, dtype, seed: int = 0):
+    """The transformers model of `reference_and_ours`, without building ours."""
+    return _in_dtype(_random_reference(config, seed), dtype)
+
+
+def _random_reference(config: ed.Config, seed: int):
     import torch
     import transformers
 
@@ -76,12 +91,12 @@ def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
             if name.endswith("tid2eid"):
                 rows = [torch.randperm(config.n_routed_experts)[: table.shape[1]] for _ in table]
                 table.copy_(torch.stack(rows))
-    tensors = []
-    for key, tensor in reference.state_dict().items():
-        for name, transform in hf_to_canonical(key):
-            tensors.append((name, transform(tensor.numpy())))
-    skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
-    ours = fill(skeleton, tensors)
+    return reference
+
+
+def _in_dtype(reference, dtype):
+    import torch
+
     if jnp.dtype(dtype) == jnp.bfloat16:
         # transformers keeps norms, mHC, sinks, slot and router biases in float32 as we do.
         reference = reference.to(torch.bfloat16)
@@ -92,7 +107,7 @@ def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
             for attr in ("sinks", "position_bias", "e_score_correction_bias"):
                 if hasattr(module, attr) and isinstance(getattr(module, attr), torch.Tensor):
                     getattr(module, attr).data = getattr(module, attr).data.float()
-    return reference, ours
+    return reference
 
 
 _FP32_MODULES = {
@@ -164,22 +179,28 @@ def set_threads(n: int | None = None) -> int:
     return n
 
 
-KEEP_FREED_MEMORY = "--keep-freed-memory"
-KEEP_FREED_HELP = (
-    "set glibc's malloc to keep freed memory for reuse (mmap and trim thresholds at 2 GB) before "
-    "either framework runs, so neither pays page faults for its working set on every call; "
-    "results go to <name>-keep-freed-memory.{json,md}, without plots"
-)
+def add_keep_freed_memory(parser) -> None:
+    """The `--keep-freed-memory` option; `keep_freed_memory(args)` applies it."""
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="set glibc's malloc to keep freed memory for reuse (mmap and trim thresholds at "
+        "2 GB) before either framework runs, so neither pays page faults for its working set "
+        "on every call; results go to <name>-keep-freed-memory.{json,md}, without plots",
+    )
 
 
-def keep_freed_memory() -> str:
-    """Keep freed memory in this process's heap instead of returning it to the OS.
+def keep_freed_memory(args) -> str:
+    """With `--keep-freed-memory`, keep freed memory in this process's heap instead of
+    returning it to the OS; returns the suffix for result names ("" without the option).
 
     Both frameworks allocate each call's working memory with malloc. glibc serves requests over
     32 MiB with fresh mappings and trims the heap's free top, so a call touching hundreds of MB
     of temporaries takes a page fault for every 4 KiB page of them, every call. Raising both
     thresholds makes freed blocks reusable. Process-wide, so it applies to JAX and torch
-    alike. Returns the suffix for result names."""
+    alike."""
+    if not args.keep_freed_memory:
+        return ""
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")

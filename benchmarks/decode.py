@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
-    KEEP_FREED_HELP,
-    KEEP_FREED_MEMORY,
+    add_keep_freed_memory,
     block,
     keep_freed_memory,
     markdown,
@@ -80,9 +79,9 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument(KEEP_FREED_MEMORY, action="store_true", help=KEEP_FREED_HELP)
+    add_keep_freed_memory(parser)
     args = parser.parse_args()
-    suffix = keep_freed_memory() if args.keep_freed_memory else ""
+    suffix = keep_freed_memory(args)
     threads = set_threads()
     config = small_config()
     reference, ours = reference_and_ours(config, jnp.float32)

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import block, markdown, reference_and_ours, set_threads, small_config, timed, write
+from common import block, markdown, reference_model, set_threads, small_config, timed, write
 from decode import reference_latency
 
 import equinox_dsv4 as ed
@@ -67,10 +67,9 @@ def main() -> int:
     with torch.no_grad():
         ref = timed(lambda: torch.nn.functional.linear(tx, tw), args.repeats)
     nbytes = v * d * dtype.itemsize
-    rate = nbytes / min(ours, ref)
-    floor = step_bytes(config, dtype) / rate
-    reference, _ = reference_and_ours(config, dtype)
-    step = reference_latency(reference, args.context, args.steps)[0]
+    weights = step_bytes(config, dtype)
+    floor = weights / (nbytes / min(ours, ref))  # at the faster of the two rates
+    step = reference_latency(reference_model(config, dtype), args.context, args.steps)[0]
     row = {
         "dtype": args.dtype,
         "head_bytes": nbytes,
@@ -78,7 +77,7 @@ def main() -> int:
         "torch_ms": 1e3 * ref,
         "jax_GBps": nbytes / ours / 1e9,
         "torch_GBps": nbytes / ref / 1e9,
-        "step_bytes": step_bytes(config, dtype),
+        "step_bytes": weights,
         "floor_ms": 1e3 * floor,
         "context": args.context,
         "transformers_step_ms": 1e3 * step,

@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
-    KEEP_FREED_HELP,
-    KEEP_FREED_MEMORY,
+    add_keep_freed_memory,
     block,
     keep_freed_memory,
     markdown,
@@ -79,9 +78,9 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(KEEP_FREED_MEMORY, action="store_true", help=KEEP_FREED_HELP)
+    add_keep_freed_memory(parser)
     args = parser.parse_args()
-    suffix = keep_freed_memory() if args.keep_freed_memory else ""
+    suffix = keep_freed_memory(args)
     threads = set_threads()
     import torch
 
