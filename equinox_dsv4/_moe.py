@@ -196,13 +196,13 @@ def dispatch(
     # Block size: about one block per expert at this load, a power of two in [1, 128]. Each
     # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
     block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
-    n_blocks = -(-(rows + min(n_experts, rows) * (block - 1)) // block)
+    n_blocks = _padded_rows(rows, n_experts, block) // block
     # More blocks than experts (prefill): a loop over experts, each reading its weights once
     # for all its rows (`expert_mlps`), with groups padded to `TAIL_ROWS` rather than to whole
     # blocks (benchmarks/NOTES.md has what each choice measured).
     by_expert = n_blocks > n_experts
     pad = min(TAIL_ROWS, block) if by_expert else block
-    size = -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
+    size = _padded_rows(rows, n_experts, pad)
 
     expert = indices.reshape(rows)
     order = jnp.argsort(expert, stable=True)
@@ -241,6 +241,12 @@ def dispatch(
     ys = ys[jnp.minimum(dest, size - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+
+
+def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
+    # Room for `rows` sorted rows when each expert's group is padded to a multiple of `pad`: at
+    # most min(E, rows) groups are partial.
+    return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
 
 
 def _varying_like(init: Array, *operands: Array) -> Array:
