@@ -2,10 +2,11 @@
 
 Ours: the jitted decode step of `generate` (cache donated), after a chunked prefill of the
 context. transformers: its eager forward with its own cache, one token per call, after its
-prefill; only at the context lengths it manages on this machine (`--reference-contexts`).
+prefill; only at the context lengths it manages on this machine (`--reference-contexts`). Where
+both run, their steps alternate (`common.timed_pair`; the ratio is the median of the pairs').
 Batch 1, float32, the "small" config (benchmarks/common.py).
 
-    python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 16]
+    python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 32]
                                 [--keep-freed-memory]
 
 Writes benchmarks/results/decode.{json,md,png}.
@@ -25,6 +26,7 @@ from common import (
     reference_and_ours,
     set_threads,
     small_config,
+    timed_pair,
     timed_with_faults,
     write,
 )
@@ -32,28 +34,33 @@ from common import (
 import equinox_dsv4 as ed
 
 
-def ours_latency(model, context: int, steps: int) -> tuple[float, float]:
+# Untimed steps first: the first steps of a context ran up to 1.25x slower (NOTES.md, Round 4).
+WARMUP = 4
+
+
+def ours_stepper(model, context: int, steps: int):
+    """Our decode step after a prefill of `context` tokens, compiled: one call decodes one
+    token and blocks until it is done."""
     ids = random_ids(1, context)
-    max_len = -(-(context + steps + 8) // 64) * 64
+    max_len = -(-(context + 2 * steps + 8) // 64) * 64
     cache = model.init_cache(1, max_len)
     greedy = ed.Sampling()
     key = jax.random.key(0)
     token, cache = ed.prefill(
         model, jnp.asarray(ids), jnp.asarray([context]), cache, key, greedy, 2048
     )
-    active = jnp.ones((1,), jnp.int32)
-    token, cache = ed.decode_step(model, token, active, cache, key, greedy)  # compile
 
     def step():
         nonlocal token, cache
         token, cache = ed.decode_step(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
         block(token)
 
-    return timed_with_faults(step, steps, warmup=0)
+    step()  # compile
+    return step
 
 
-def reference_latency(reference, context: int, steps: int) -> tuple[float, float]:
-    """Median seconds per decoded token, and page faults per token."""
+def reference_stepper(reference, context: int):
+    """transformers' decode step after its prefill of `context` tokens, with its cache."""
     import torch
 
     ids = torch.from_numpy(random_ids(1, context).astype(np.int64))
@@ -61,43 +68,47 @@ def reference_latency(reference, context: int, steps: int) -> tuple[float, float
         out = reference(
             input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1
         )
-        cache = out.cache
-        token = out.logits[:, -1:].argmax(-1)
-        mask = torch.ones((1, context + 1), dtype=torch.long)
+    cache = out.cache
+    token = out.logits[:, -1:].argmax(-1)
+    mask = torch.ones((1, context + 1), dtype=torch.long)
 
-        def step():
-            nonlocal cache, token, mask
+    def step():
+        nonlocal cache, token, mask
+        with torch.no_grad():
             out = reference(input_ids=token, attention_mask=mask, cache=cache, use_cache=True)
-            cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-            mask = torch.ones((1, mask.shape[1] + 1), dtype=torch.long)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)
+        mask = torch.ones((1, mask.shape[1] + 1), dtype=torch.long)
 
-        return timed_with_faults(step, steps, warmup=1)
+    return step
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)
     add_keep_freed_memory(parser)
     args = parser.parse_args()
     suffix = keep_freed_memory(args)
     threads = set_threads()
     config = small_config()
-    reference, ours = reference_and_ours(config, jnp.float32)
+    reference, model = reference_and_ours(config, jnp.float32)
     rows, table = [], []
     for context in args.contexts:
-        ours_s, ours_faults = ours_latency(ours, context, args.steps)
-        ref_s, ref_faults = (
-            reference_latency(reference, context, args.steps)
-            if context in args.reference_contexts
-            else (None, None)
-        )
+        ours = ours_stepper(model, context, args.steps)
+        if context in args.reference_contexts:
+            # Steps alternate between the two, so that both see the same memory bandwidth.
+            timing = timed_pair(ours, reference_stepper(reference, context), args.steps, WARMUP)
+            ours_s, ours_faults = timing["ours_seconds"], timing["ours_faults"]
+            ref_s, ref_faults = timing["reference_seconds"], timing["reference_faults"]
+        else:
+            ours_s, ours_faults = timed_with_faults(ours, args.steps, WARMUP)
+            ref_s = ref_faults = None
         row = {
             "context": context,
             "ours_ms": 1e3 * ours_s,
             "transformers_ms": None if ref_s is None else 1e3 * ref_s,
-            "speedup": None if ref_s is None else ref_s / ours_s,
+            "speedup": None if ref_s is None else timing["ratio"],
             "ours_page_faults": ours_faults,
             "transformers_page_faults": ref_faults,
         }

@@ -2,7 +2,8 @@
 
 Ours: the jitted prefill (`decode` from an empty cache, last position's logits, as `generate`
 runs it). transformers: its eager forward with a cache and `logits_to_keep=1`, same weights,
-same thread count. Batch 1, the "small" config (benchmarks/common.py), float32 and bfloat16.
+same thread count, the two run alternately (`common.timed_pair`; the ratio is the median of the
+pairs' ratios). Batch 1, the "small" config (benchmarks/common.py), float32 and bfloat16.
 
     python benchmarks/prefill.py [--lengths 512 2048 8192] [--dtypes float32 bfloat16]
                                  [--keep-freed-memory]
@@ -31,7 +32,7 @@ from common import (
     set_threads,
     small_config,
     timed,
-    timed_with_faults,
+    timed_pair,
     write,
 )
 
@@ -77,7 +78,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed pairs per length (2 above 4096 tokens)"
+    )
     add_keep_freed_memory(parser)
     args = parser.parse_args()
     suffix = keep_freed_memory(args)
@@ -99,10 +102,6 @@ def main() -> int:
         for length in args.lengths:
             ids = random_ids(1, length)
             jids = jnp.asarray(ids)
-            block(prefill(ours, jids))  # compile
-            ours_s, ours_faults = timed_with_faults(
-                lambda jids=jids, m=ours: block(prefill(m, jids)), args.repeats
-            )
             tids = torch.from_numpy(ids.astype(np.int64))
 
             def reference_prefill(tids=tids, reference=reference):
@@ -114,9 +113,14 @@ def main() -> int:
                         logits_to_keep=1,
                     )
 
-            ref_s, ref_faults = timed_with_faults(
-                reference_prefill, max(1, args.repeats - 1 if length > 4096 else args.repeats)
+            # The first run of each compiles ours and warms transformers up.
+            timing = timed_pair(
+                lambda jids=jids, m=ours: block(prefill(m, jids)),
+                reference_prefill,
+                min(2, args.repeats) if length > 4096 else args.repeats,
             )
+            ours_s, ours_faults = timing["ours_seconds"], timing["ours_faults"]
+            ref_s, ref_faults = timing["reference_seconds"], timing["reference_faults"]
             flops = prefill_flops(config, length)
             row = {
                 "dtype": dtype_name,
@@ -125,7 +129,7 @@ def main() -> int:
                 "transformers_seconds": ref_s,
                 "ours_tokens_per_s": length / ours_s,
                 "transformers_tokens_per_s": length / ref_s,
-                "speedup": ref_s / ours_s,
+                "speedup": timing["ratio"],
                 "ours_page_faults": ours_faults,
                 "transformers_page_faults": ref_faults,
                 "model_flops": flops,
