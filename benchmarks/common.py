@@ -129,18 +129,10 @@ def timed(fn, repeats: int, warmup: int = 1) -> float:
 
 def timed_with_faults(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
     """As `timed`, and the process's minor page faults per timed run."""
-    import resource
-
     for _ in range(warmup):
         fn()
-    times = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return statistics.median(times), faults / repeats
+    runs = [_run(fn) for _ in range(repeats)]
+    return statistics.median(r[0] for r in runs), sum(r[1] for r in runs) / repeats
 
 
 def timed_pair(ours, reference, repeats: int, warmup: int = 1) -> dict:
@@ -151,24 +143,26 @@ def timed_pair(ours, reference, repeats: int, warmup: int = 1) -> dict:
     **Returns:** for each (`ours`, `reference`) the median seconds and the minor page faults per
     run, and `ratio`, the median over the pairs of reference seconds / ours seconds.
     """
-    import resource
-
-    def run(fn):
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0 = time.perf_counter()
-        fn()
-        seconds = time.perf_counter() - t0
-        return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-
     for _ in range(warmup):
         ours()
         reference()
-    pairs = [(run(ours), run(reference)) for _ in range(repeats)]
+    pairs = [(_run(ours), _run(reference)) for _ in range(repeats)]
     result = {"ratio": statistics.median(r[0] / o[0] for o, r in pairs)}
     for i, name in enumerate(("ours", "reference")):
         result[f"{name}_seconds"] = statistics.median(p[i][0] for p in pairs)
         result[f"{name}_faults"] = sum(p[i][1] for p in pairs) / repeats
     return result
+
+
+def _run(fn) -> tuple[float, int]:
+    # Seconds and the process's minor page faults of one call of `fn`.
+    import resource
+
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
 def machine() -> dict:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import block, markdown, reference_model, set_threads, small_config, timed, write
-from decode import reference_latency
+from decode import WARMUP, reference_stepper
 
 import equinox_dsv4 as ed
 
@@ -69,7 +69,8 @@ def main() -> int:
     nbytes = v * d * dtype.itemsize
     weights = step_bytes(config, dtype)
     floor = weights / (nbytes / min(ours, ref))  # at the faster of the two rates
-    step = reference_latency(reference_model(config, dtype), args.context, args.steps)[0]
+    reference = reference_stepper(reference_model(config, dtype), args.context)
+    step = timed(reference, args.steps, WARMUP)
     row = {
         "dtype": args.dtype,
         "head_bytes": nbytes,
