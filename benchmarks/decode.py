@@ -4,12 +4,14 @@ Ours: the jitted decode step of `generate` (cache donated), after a chunked pref
 context. transformers: its eager forward with its own cache, one token per call, after its
 prefill; only at the context lengths it manages on this machine (`--reference-contexts`). Where
 both run, their steps alternate (`common.timed_pair`; the ratio is the median of the pairs').
-Batch 1, float32, the "small" config (benchmarks/common.py).
+Batch 1, float32, the "small" config (benchmarks/common.py), 8 layers unless `--layers` says
+otherwise (from 12 layers on, the model scans its repeating (HCA, CSA) layers).
 
     python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 32]
-                                [--keep-freed-memory]
+                                [--layers 8] [--keep-freed-memory]
 
-Writes benchmarks/results/decode.{json,md,png}.
+Writes benchmarks/results/decode.{json,md,png}; with `--layers N` other than 8,
+benchmarks/results/decode-N-layers.{json,md}.
 """
 
 import argparse
@@ -87,11 +89,14 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers of the config")
     add_keep_freed_memory(parser)
     args = parser.parse_args()
-    suffix = keep_freed_memory(args)
+    if args.layers < 1:
+        parser.error(f"--layers must be positive, got {args.layers}")
+    suffix = ("" if args.layers == 8 else f"-{args.layers}-layers") + keep_freed_memory(args)
     threads = set_threads()
-    config = small_config()
+    config = small_config(args.layers)
     reference, model = reference_and_ours(config, jnp.float32)
     rows, table = [], []
     for context in args.contexts:

@@ -35,10 +35,9 @@ def pool(
     return jnp.sum(kv * jax.nn.softmax(gate, axis=-2), axis=-2)
 
 
-def _rows(x: Array, index: Array) -> Array:
-    # x [b, n, ...] gathered at index [b, k] along axis 1.
-    index = index.reshape(*index.shape, *(1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, index, axis=1)
+def _window(x: Array, start: Int[Array, " batch"], size: int) -> Array:
+    # Rows start[b] .. start[b] + size - 1 of x[b] along axis 1 (start in range).
+    return jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, size))(x, start)
 
 
 class AbstractCompressor(eqx.Module):
@@ -138,14 +137,15 @@ class AbstractCompressor(eqx.Module):
 
         open_len = start % m  # tokens of the open block already in `state`
         grid = -(-(m + t) // m) * m
-        v = jnp.broadcast_to(jnp.arange(grid, dtype=jnp.int32), (b, grid))
-        from_state = v < open_len[:, None]
-        in_chunk = v - open_len[:, None]
+        from_state = jnp.arange(grid, dtype=jnp.int32)[None] < open_len[:, None]
 
+        # Slices, not row gathers: in a scanned layer, where the state is not a constant,
+        # XLA:CPU fused the gathers into the slot concatenation and compiled kernels of several
+        # times the size (benchmarks/NOTES.md, Round 5). Grid rows past the chunk are zeros.
         def lay_out(old, new):
-            from_chunk = _rows(new, jnp.clip(in_chunk, 0, t - 1))
-            from_old = _rows(old, jnp.clip(v, 0, m - 1))
-            return jnp.where(from_state[..., None], from_old, from_chunk)
+            chunk = _window(jnp.pad(new, ((0, 0), (m, grid - t), (0, 0))), m - open_len, grid)
+            old = jnp.pad(old, ((0, 0), (0, grid - m), (0, 0)))
+            return jnp.where(from_state[..., None], old, chunk)
 
         grid_kv = lay_out(state.kv, kv).reshape(b, grid // m, m, -1)
         grid_gate = lay_out(state.gate, gate).reshape(b, grid // m, m, -1)
@@ -161,19 +161,18 @@ class AbstractCompressor(eqx.Module):
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
         new_entries = state.entries.at[rows, target].set(entries, mode="drop")
 
-        # The new open block: grid slots complete * m ... open_len + count - 1.
-        keep = complete[:, None] * m + jnp.arange(m, dtype=jnp.int32)[None]
-        keep = jnp.clip(keep, 0, grid - 1)
-        new_kv = _rows(grid_kv.reshape(b, grid, -1), keep)
-        new_gate = _rows(grid_gate.reshape(b, grid, -1), keep)
+        # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
+        # tokens); complete * m <= open_len + t - 1 < grid - m + 1, so the block is on the grid.
+        new_kv = _window(grid_kv, complete, 1)[:, 0]
+        new_gate = _window(grid_gate, complete, 1)[:, 0]
         prev_kv, prev_gate = state.prev_kv, state.prev_gate
         if self.overlap:
             assert prev_kv is not None and prev_gate is not None
             d = self.head_dim
             last = jnp.clip(complete - 1, 0, grid // m - 1)
             closed = (complete > 0)[:, None, None]
-            prev_kv = jnp.where(closed, _rows(grid_kv, last[:, None])[:, 0, :, :d], prev_kv)
-            prev_gate = jnp.where(closed, _rows(grid_gate, last[:, None])[:, 0, :, :d], prev_gate)
+            prev_kv = jnp.where(closed, _window(grid_kv, last, 1)[:, 0, :, :d], prev_kv)
+            prev_gate = jnp.where(closed, _window(grid_gate, last, 1)[:, 0, :, :d], prev_gate)
         return CompressorState(new_kv, new_gate, prev_kv, prev_gate, new_entries)
 
     def finish(

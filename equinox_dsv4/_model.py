@@ -13,7 +13,7 @@ from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
-from ._moe import RouterStats
+from ._moe import RouterStats, in_layer_stack
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
 
@@ -110,11 +110,13 @@ class LayerStack(eqx.Module):
 
         period = _remat(period, remat)
         if scan:
-            x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
+            with in_layer_stack():
+                x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
             return x, new, stats
         outs = []
         for r in range(self.repeats):
-            x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
+            with in_layer_stack():
+                x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
             outs.append(out)
         new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return x, new, stats

@@ -11,8 +11,11 @@ assignments are sorted by expert into blocks of one expert each and each block i
 so the work is proportional to `num_experts_per_tok`, never to the number of experts.
 """
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 
 import equinox as eqx
 import jax
@@ -31,6 +34,21 @@ from ._parallel import batch_axes, mesh_axis
 MAX_BLOCK_LOG2 = 7
 # The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
 TAIL_ROWS = 16
+
+
+# Set while a layer stack traces its body (`LayerStack.step`), whose expert weights are then
+# slices of the stack, not parameters: decoding gathers the chosen experts (see `dispatch`).
+_IN_LAYER_STACK = contextvars.ContextVar("in_layer_stack", default=False)
+
+
+@contextlib.contextmanager
+def in_layer_stack() -> Iterator[None]:
+    """Within: `Experts` are called on slices of stacked weights (see `dispatch`'s `gather`)."""
+    token = _IN_LAYER_STACK.set(True)
+    try:
+        yield
+    finally:
+        _IN_LAYER_STACK.reset(token)
 
 
 def swiglu(
@@ -168,7 +186,8 @@ class Experts(eqx.Module):
         """
         if mesh_axis("expert") > 1:
             return expert_parallel(self, x, indices, weights)
-        return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit)
+        gather = _IN_LAYER_STACK.get()
+        return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit, gather)
 
 
 def dispatch(
@@ -179,29 +198,36 @@ def dispatch(
     w2: Float[Array, "experts d_model inter"],
     w3: Float[Array, "experts inter d_model"],
     limit: float,
-    loop_blocks: bool = True,
+    gather: bool = False,
 ) -> Float[Array, "tokens d_model"]:
-    """Routed experts for the (token, expert) assignments, computed only where assigned.
+    """Routed experts for the (token, expert) assignments, computed only where assigned. An
+    assignment to expert `len(w1)` (out of range) is dropped.
 
-    Assignments are sorted by expert and laid out in blocks of one expert each (each expert's
-    group padded to whole blocks); each block is one matmul with its expert's weights. An
-    assignment to expert `len(w1)` (out of range) is dropped. With more blocks than experts
-    (prefill) a loop over experts runs each expert's blocks (`expert_mlps`); fewer blocks
-    (decoding) run in a loop over blocks (unrolled with `loop_blocks=False`), each reading only
-    its own expert's weights, so a decode step touches `top_k` experts, not all of them.
+    With more assignments than experts (prefill), the assignments are sorted by expert and each
+    expert's group, padded to `TAIL_ROWS`, runs through that expert in a loop over experts
+    (`expert_mlps`), which reads each expert's weights once. With at most one assignment per
+    expert on average (decoding), each assignment runs through its own expert, reading only
+    the `top_k` chosen experts per token: in a loop over assignments, one expert's weights at a
+    time, or with `gather` the chosen experts' weights gathered at once and the products
+    batched. Use `gather` where the weights are not a parameter but a value (a slice of a
+    scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
+    operand, and XLA copies such a value whole to pass it in.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
     rows = tokens * top_k
-    # Block size: about one block per expert at this load, a power of two in [1, 128]. Each
-    # expert's group is padded to whole blocks, so at most min(E, rows) blocks are partial.
+    if rows <= n_experts:
+        run = _gathered if gather else _one_by_one
+        expert = indices.reshape(rows)
+        x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
+        ys = run(
+            x_rows, weights.reshape(rows), jnp.minimum(expert, n_experts - 1), w1, w2, w3, limit
+        )
+        ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
+        return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
+    # Block size: about one block per expert at this load, a power of two in [1, 128].
     block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
-    n_blocks = _padded_rows(rows, n_experts, block) // block
-    # More blocks than experts (prefill): a loop over experts, each reading its weights once
-    # for all its rows (`expert_mlps`), with groups padded to `TAIL_ROWS` rather than to whole
-    # blocks (benchmarks/NOTES.md has what each choice measured).
-    by_expert = n_blocks > n_experts
-    pad = min(TAIL_ROWS, block) if by_expert else block
+    pad = min(TAIL_ROWS, block)
     size = _padded_rows(rows, n_experts, pad)
 
     expert = indices.reshape(rows)
@@ -218,29 +244,33 @@ def dispatch(
     xs = jnp.zeros((size, x.shape[-1]), x.dtype).at[dest].set(x[token_sorted], mode="drop")
     ws = jnp.zeros((size,), jnp.float32).at[dest].set(weights.reshape(rows)[order], mode="drop")
 
-    if by_expert:
-        first = padded_end - padded
-        ys = expert_mlps(xs, ws, w1, w2, w3, first, padded, limit, block, pad)
-    else:
-        block_expert = jnp.searchsorted(padded_end, jnp.arange(n_blocks) * block, side="right")
-        block_expert = jnp.minimum(block_expert, n_experts - 1)
-
-        def run_block(xb, wb, e):
-            return _expert_block(xb, wb, w1[e], w2[e], w3[e], limit, x.dtype)
-
-        xs, ws = xs.reshape(n_blocks, block, -1), ws.reshape(n_blocks, block)
-        # XLA:CPU copies each block's expert weights out of the stack. Unrolled, every block
-        # got its own copy buffer: the small config's decode step had 38 MB of temporaries,
-        # which malloc mapped fresh, page faults included, on every step. In a loop the copies
-        # share one buffer (benchmarks/NOTES.md, Round 3).
-        if loop_blocks:
-            ys = jax.lax.scan(lambda _, a: (None, run_block(*a)), None, (xs, ws, block_expert))[1]
-        else:
-            ys = jnp.stack([run_block(xs[i], ws[i], block_expert[i]) for i in range(n_blocks)])
-        ys = ys.reshape(size, -1)
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_end - padded, padded, limit, block, pad)
     ys = ys[jnp.minimum(dest, size - 1)]
     ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
     return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+
+
+def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
+    # A loop over assignments, each copying its expert's weights out of the stack; the copies
+    # share one buffer. Unrolled, every copy got its own: the small config's decode step had
+    # 38 MB of temporaries, which malloc mapped fresh, page faults included, on every token
+    # (benchmarks/NOTES.md, Round 3).
+    def one(_, a):
+        x, w, e = a
+        return None, _expert_block(x[None], w[None], w1[e], w2[e], w3[e], limit, x.dtype)[0]
+
+    return jax.lax.scan(one, None, (xs, ws, chosen))[1]
+
+
+def _gathered(xs, ws, chosen, w1, w2, w3, limit):
+    # The chosen experts' weights in one gather, the products batched over assignments. In a
+    # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
+    # chosen experts; a loop would get the layer's slice of every expert copied in
+    # (benchmarks/NOTES.md, Round 5).
+    def one(x, w, w1e, w2e, w3e):
+        return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype)[0]
+
+    return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 
 
 def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
@@ -401,9 +431,10 @@ def expert_parallel(
         first = jax.lax.axis_index("expert") * w1.shape[0]
         mine = (indices >= first) & (indices < first + w1.shape[0])
         local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
-        # Unrolled blocks: a loop over them would take in a copy of the gathered weights (V4-Flash
-        # decode on 64 devices: +3.5 GiB of temporaries per device, benchmarks/NOTES.md).
-        y = dispatch(x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit, False)
+        # The gathered weights are a value, not a parameter (see `dispatch`).
+        y = dispatch(
+            x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit, gather=True
+        )
         return jax.lax.psum(y, reduce)
 
     row = P(tokens, None)

@@ -113,6 +113,28 @@ def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
     out = eqx.filter_jit(layer)(x, indices, weights)
     expected = _dense_reference(layer, x, indices, weights, 0.7)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)  # float32 vs float64 sums
+    # Inside a layer stack, decoding (no more assignments than experts) gathers the experts.
+    with ed._moe.in_layer_stack():
+        out = eqx.filter_jit(layer)(x, indices, weights)
+    np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_decode_dispatch_drops_out_of_range_experts(getkey, gather):
+    # Expert parallelism marks the assignments to other devices' experts with index E.
+    config = tiny_config(n_routed_experts=8, num_experts_per_tok=3, swiglu_limit=0.7)
+    layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.Experts, config), 7))
+    x = jax.random.normal(getkey(), (2, config.hidden_size))
+    indices = jnp.array([[8, 2, 5], [7, 8, 8]], jnp.int32)
+    weights = jax.random.uniform(getkey(), (2, 3))
+    out = jax.jit(ed._moe.dispatch, static_argnums=(6, 7))(
+        x, indices, weights, layer.w1, layer.w2, layer.w3, 0.7, gather
+    )
+    kept = indices < 8
+    expected = _dense_reference(
+        layer, x, jnp.where(kept, indices, 0), jnp.where(kept, weights, 0.0), 0.7
+    )
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_all_tokens_on_one_expert(getkey):
@@ -162,16 +184,16 @@ def test_expert_loop_gradient_matches_dense(getkey):
 
 
 def test_decode_dispatch_memory_does_not_grow_with_its_blocks():
-    # 2 tokens x top-4: 8 blocks of one row, fewer than the 16 experts, so `dispatch` runs its
-    # blocks in a loop, copying one block's expert weights at a time. Unrolled, every block
-    # kept its own copy (8x here), which at the small config's size made malloc map the
-    # decode step's temporaries fresh, with page faults, on every token.
+    # 2 tokens x top-4: 8 assignments, fewer than the 16 experts, so `dispatch` runs them in a
+    # loop, copying one expert's weights at a time. Unrolled, every assignment kept its own
+    # copy (8x here), which at the small config's size made malloc map the decode step's
+    # temporaries fresh, with page faults, on every token.
     experts, inter, dim, tokens, top_k = 16, 128, 128, 2, 4
-    block_weights = 3 * inter * dim * 4
+    expert_weights = 3 * inter * dim * 4
 
-    def temporaries(loop_blocks):
+    def temporaries(gather):
         def f(x, indices, weights, w1, w2, w3):
-            return ed._moe.dispatch(x, indices, weights, w1, w2, w3, 0.0, loop_blocks)
+            return ed._moe.dispatch(x, indices, weights, w1, w2, w3, 0.0, gather)
 
         shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
         shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
@@ -179,6 +201,27 @@ def test_decode_dispatch_memory_does_not_grow_with_its_blocks():
         args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
         return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    assert temporaries(True) < 1.5 * block_weights
-    # The unrolled form, kept for expert parallelism, is what the check would catch.
-    assert temporaries(False) > 4 * block_weights
+    assert temporaries(False) < 1.5 * expert_weights
+    # The gathered form, for weights that are not parameters, holds all 8 chosen experts.
+    assert temporaries(True) > 4 * expert_weights
+
+
+def test_scanned_decode_step_does_not_copy_every_expert():
+    # In a scanned layer stack a decode step must read the chosen experts only. A loop over
+    # the assignments took the layer's slice of the stacked experts as its operand, and XLA
+    # copied the slice, every expert of every scanned layer, on every token (the small
+    # config's 43-layer decode step: 285 -> 103 ms, benchmarks/NOTES.md, Round 5). So the
+    # step's temporaries must not grow with the number of experts.
+    def temporaries(experts):
+        config = tiny_config(
+            n_routed_experts=experts, moe_intermediate_size=64, num_nextn_predict_layers=0
+        )
+        assert any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
+        model = abstract(ed.DeepseekV4, config)
+        cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
+        ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    layer_slice = 3 * 56 * 64 * 32 * 4  # the 56 experts added, one layer's slice, float32
+    assert temporaries(64) - temporaries(8) < layer_slice / 4
