@@ -98,7 +98,8 @@ class LayerStack(eqx.Module):
             blocks, caches = layer
             # This layer's slice of the stacked weights, fixed here: otherwise XLA may move a
             # conversion (e.g. XLA:CPU's bf16 -> f32 before a dot) in front of the slicing and
-            # out of the loop, materialising a converted copy of the whole stack.
+            # out of the loop, materialising a converted copy of the whole stack. (XLA:CPU
+            # still widens bf16 stacks whole before the loop: benchmarks/NOTES.md, item 16.)
             blocks = jax.lax.optimization_barrier(blocks)
             new, stats = [], []
             for block, cache in zip(blocks, caches, strict=True):

@@ -6,9 +6,10 @@ unbiased scores; hash layers take the experts from a fixed token-id table (`tid2
 are renormalised over the chosen experts (`norm_topk_prob`) and scaled by
 `routed_scaling_factor`.
 
-Routed experts are computed only for the tokens that chose them: the (token, expert)
-assignments are sorted by expert into blocks of one expert each and each block is one matmul,
-so the work is proportional to `num_experts_per_tok`, never to the number of experts.
+Routed experts are computed only for the tokens that chose them, so the work is proportional to
+`num_experts_per_tok`, never to the number of experts: with many assignments (prefill) they are
+sorted by expert and each expert runs its rows; with few (decoding) each assignment runs through
+its own expert, and only the chosen experts' weights are read (see `dispatch`).
 """
 
 import contextlib
