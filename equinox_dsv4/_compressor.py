@@ -162,7 +162,8 @@ class AbstractCompressor(eqx.Module):
         new_entries = state.entries.at[rows, target].set(entries, mode="drop")
 
         # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
-        # tokens); complete * m <= open_len + t - 1 < grid - m + 1, so the block is on the grid.
+        # tokens). complete * m <= open_len + t < m + t <= grid, and both ends are multiples
+        # of m, so the whole block lies on the grid.
         new_kv = _window(grid_kv, complete, 1)[:, 0]
         new_gate = _window(grid_gate, complete, 1)[:, 0]
         prev_kv, prev_gate = state.prev_kv, state.prev_gate
