@@ -102,22 +102,21 @@ class LayerStack(eqx.Module):
             # still widens bf16 stacks whole before the loop: benchmarks/NOTES.md, item 16.)
             blocks = jax.lax.optimization_barrier(blocks)
             new, stats = [], []
-            for block, cache in zip(blocks, caches, strict=True):
-                x, cache, s = block.step(x, ids, start, count, cache)
-                x = constrain_batch(x)
-                new.append(cache)
-                stats.append(s)
+            with in_layer_stack():
+                for block, cache in zip(blocks, caches, strict=True):
+                    x, cache, s = block.step(x, ids, start, count, cache)
+                    x = constrain_batch(x)
+                    new.append(cache)
+                    stats.append(s)
             return x, (tuple(new), tuple(stats))
 
         period = _remat(period, remat)
         if scan:
-            with in_layer_stack():
-                x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
+            x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
             return x, new, stats
         outs = []
         for r in range(self.repeats):
-            with in_layer_stack():
-                x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
+            x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
             outs.append(out)
         new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return x, new, stats

@@ -217,9 +217,9 @@ def dispatch(
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
     rows = tokens * top_k
+    expert = indices.reshape(rows)
     if rows <= n_experts:
         run = _gathered if gather else _one_by_one
-        expert = indices.reshape(rows)
         x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
         ys = run(
             x_rows, weights.reshape(rows), jnp.minimum(expert, n_experts - 1), w1, w2, w3, limit
@@ -231,7 +231,6 @@ def dispatch(
     pad = min(TAIL_ROWS, block)
     size = _padded_rows(rows, n_experts, pad)
 
-    expert = indices.reshape(rows)
     order = jnp.argsort(expert, stable=True)
     expert_sorted = expert[order]
     token_sorted = order // top_k
@@ -258,7 +257,7 @@ def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
     # (benchmarks/NOTES.md, Round 3).
     def one(_, a):
         x, w, e = a
-        return None, _expert_block(x[None], w[None], w1[e], w2[e], w3[e], limit, x.dtype)[0]
+        return None, _expert_row(x, w, w1[e], w2[e], w3[e], limit)
 
     return jax.lax.scan(one, None, (xs, ws, chosen))[1]
 
@@ -268,10 +267,13 @@ def _gathered(xs, ws, chosen, w1, w2, w3, limit):
     # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
     # chosen experts; a loop would get the layer's slice of every expert copied in
     # (benchmarks/NOTES.md, Round 5).
-    def one(x, w, w1e, w2e, w3e):
-        return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype)[0]
-
+    one = functools.partial(_expert_row, limit=limit)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
+
+
+def _expert_row(x, w, w1e, w2e, w3e, limit):
+    # One assignment (a row `x` with routing weight `w`) through one expert, float32.
+    return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype)[0]
 
 
 def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
