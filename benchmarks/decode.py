@@ -4,14 +4,15 @@ Ours: the jitted decode step of `generate` (cache donated), after a chunked pref
 context. transformers: its eager forward with its own cache, one token per call, after its
 prefill; only at the context lengths it manages on this machine (`--reference-contexts`). Where
 both run, their steps alternate (`common.timed_pair`; the ratio is the median of the pairs').
-Batch 1, float32, the "small" config (benchmarks/common.py), 8 layers unless `--layers` says
-otherwise (from 12 layers on, the model scans its repeating (HCA, CSA) layers).
+Batch 1, the "small" config (benchmarks/common.py), float32 weights unless `--dtype` says
+otherwise (both frameworks), 8 layers unless `--layers` says otherwise (from 12 layers on, the
+model scans its repeating (HCA, CSA) layers).
 
     python benchmarks/decode.py [--contexts 1024 4096 16384 65536] [--steps 32]
-                                [--layers 8] [--keep-freed-memory]
+                                [--layers 8] [--dtype float32] [--keep-freed-memory]
 
-Writes benchmarks/results/decode.{json,md,png}; with `--layers N` other than 8,
-benchmarks/results/decode-N-layers.{json,md}.
+Writes benchmarks/results/decode.{json,md,png}; with `--layers N` other than 8 or `--dtype
+bfloat16`, benchmarks/results/decode[-N-layers][-bfloat16].{json,md}.
 """
 
 import argparse
@@ -90,14 +91,21 @@ def main() -> int:
     parser.add_argument("--reference-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of the config")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weight dtype of both models",
+    )
     add_keep_freed_memory(parser)
     args = parser.parse_args()
     if args.layers < 1:
         parser.error(f"--layers must be positive, got {args.layers}")
-    suffix = ("" if args.layers == 8 else f"-{args.layers}-layers") + keep_freed_memory(args)
+    suffix = "" if args.layers == 8 else f"-{args.layers}-layers"
+    suffix += ("" if args.dtype == "float32" else f"-{args.dtype}") + keep_freed_memory(args)
     threads = set_threads()
     config = small_config(args.layers)
-    reference, model = reference_and_ours(config, jnp.float32)
+    reference, model = reference_and_ours(config, jnp.dtype(args.dtype))
     rows, table = [], []
     for context in args.contexts:
         ours = ours_stepper(model, context, args.steps)
@@ -147,7 +155,7 @@ def main() -> int:
         "decode" + suffix,
         rows,
         md,
-        {"config": config.to_hf(), "threads": threads, "steps": args.steps},
+        {"config": config.to_hf(), "threads": threads, "steps": args.steps, "dtype": args.dtype},
     )
     if not suffix:
         _plot(rows)

@@ -23,7 +23,16 @@ from ._cache import LayerCache
 from ._compressor import CSACompressor, HCACompressor
 from ._config import CSA, HCA, SLIDING, Config
 from ._indexer import LightningIndexer, visible_blocks
-from ._layers import Linear, RMSNorm, einsum_f32, f32, lead, map_chunks, rms_normalize
+from ._layers import (
+    Linear,
+    RMSNorm,
+    einsum_f32,
+    f32,
+    lead,
+    linear,
+    map_chunks,
+    rms_normalize,
+)
 from ._parallel import mesh_axis
 from ._rope import RoPE
 
@@ -310,7 +319,7 @@ class Attention(eqx.Module):
         else:
             # One plain matmul per group: XLA:CPU runs the batched einsum as per-token
             # matmuls and took 1.3x as long (2048 tokens, benchmarks/NOTES.md).
-            z = jnp.stack([grouped[:, :, i] @ wo_a[i].T for i in range(g)], axis=2)
+            z = jnp.stack([linear(grouped[:, :, i], wo_a[i]) for i in range(g)], axis=2)
         return self.wo_b(z.reshape(b, s, -1))
 
 

@@ -107,7 +107,23 @@ def linear(
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
+    if _one_row_on_cpu(x, weight):
+        two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
+        y = jnp.einsum("ri,oi->ro", two, weight, preferred_element_type=out_dtype)
+        return y[0].reshape(*x.shape[:-1], -1)
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
+
+
+def _one_row_on_cpu(x: Array, weight: Array) -> bool:
+    # XLA:CPU runs a one-row product (a decode step's) as a matrix-vector dot, which has no
+    # 16-bit kernel: it converts the whole weight to float32 first, on every call. With a
+    # second, zero row its bf16 matmul kernel takes the weight as it is (the small config's
+    # bf16 head: 87 -> 7.5 ms; benchmarks/NOTES.md, item 17).
+    return (
+        weight.dtype.itemsize < 4
+        and math.prod(x.shape[:-1]) == 1
+        and jax.default_backend() == "cpu"
+    )
 
 
 class Linear(eqx.Module):

@@ -41,6 +41,15 @@ def _remat(fn, remat: str | None):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
 
+def _loop_widens(stacks) -> bool:
+    # XLA:CPU computes 16-bit floats in float32 and hoists the conversion of a loop-invariant
+    # operand out of the loop: scanned over as they are, bf16 stacks are converted to float32
+    # whole in front of the layer loop, on every call (the small config's 43-layer bf16 decode
+    # step: 2.3 GiB of temporaries; benchmarks/NOTES.md, item 17).
+    floats = [a for a in jax.tree.leaves(stacks) if jnp.issubdtype(a.dtype, jnp.floating)]
+    return jax.default_backend() == "cpu" and any(a.dtype.itemsize < 4 for a in floats)
+
+
 class LayerStack(eqx.Module):
     """A scanned segment of the plan: `blocks[p]` holds the weights of the layers at position `p`
     of the period, stacked along a leading axis of length `repeats`."""
@@ -111,6 +120,20 @@ class LayerStack(eqx.Module):
             return x, (tuple(new), tuple(stats))
 
         period = _remat(period, remat)
+        if scan and _loop_widens(self.blocks):
+            # The stacks ride in the carry, through a barrier, so that XLA sees them change and
+            # cannot hoist their conversion out of the loop; each layer's slice is taken inside.
+            def carried(carry, r):
+                x, stacks, caches = carry
+                stacks, caches = jax.lax.optimization_barrier((stacks, caches))
+                blocks, layer = jax.tree.map(lambda a: a[r], (stacks, caches))
+                x, (new, stats) = period(x, (blocks, layer))
+                caches = jax.tree.map(lambda a, n: a.at[r].set(n), caches, new)
+                return (x, stacks, caches), stats
+
+            carry = (x, self.blocks, caches)
+            (x, _, new), stats = jax.lax.scan(carried, carry, jnp.arange(self.repeats))
+            return x, new, stats
         if scan:
             x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
             return x, new, stats

@@ -187,7 +187,10 @@ class Experts(eqx.Module):
         """
         if mesh_axis("expert") > 1:
             return expert_parallel(self, x, indices, weights)
-        gather = _IN_LAYER_STACK.get()
+        # 16-bit weights gather too: XLA:CPU converts a 16-bit operand of a loop to float32
+        # whole, before the loop (the small config's bf16 decode step: 165 -> 26 ms,
+        # benchmarks/NOTES.md, item 17).
+        gather = _IN_LAYER_STACK.get() or self.w1.dtype.itemsize < 4
         return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit, gather)
 
 
@@ -212,7 +215,8 @@ def dispatch(
     time, or with `gather` the chosen experts' weights gathered at once and the products
     batched. Use `gather` where the weights are not a parameter but a value (a slice of a
     scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
-    operand, and XLA copies such a value whole to pass it in.
+    operand, and XLA copies such a value whole to pass it in. Also for 16-bit weights, which
+    XLA:CPU would convert whole to float32 in front of the loop.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]

@@ -11,7 +11,7 @@ from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._layers import rms_normalize
+from equinox_dsv4._layers import linear, rms_normalize
 from equinox_dsv4._rope import inverse_frequencies
 
 
@@ -106,3 +106,26 @@ def test_rope_rejects_mismatched_positions(getkey):
         rope(jnp.zeros((2, 5, 16)), jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match="positive even"):
         ed.RoPE(7, 10000.0)
+
+
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,)])
+def test_linear_bf16_matches_float64(getkey, lead):
+    # One row takes its own path on XLA:CPU (a second, zero row; see `linear`): the result
+    # must be the row's product all the same, with float32 accumulation.
+    w = jax.random.normal(getkey(), (384, 512)).astype(jnp.bfloat16)
+    x = jax.random.normal(getkey(), (*lead, 512)).astype(jnp.bfloat16)
+    y = jax.jit(lambda x, w: linear(x, w, dtype=jnp.float32))(x, w)
+    assert y.shape == (*lead, 384) and y.dtype == jnp.float32
+    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    # float32 accumulation over 512 terms of size ~1, results up to ~80: a few float32 ulps.
+    np.testing.assert_allclose(y, expected, rtol=0, atol=1e-4)
+
+
+def test_one_row_bf16_linear_does_not_widen_the_weight():
+    # XLA:CPU converts a bf16 weight whole to float32 for a one-row (matrix-vector) product,
+    # on every call: a decode step's head alone took 87 ms instead of 7.5 (benchmarks/NOTES.md,
+    # item 17). The compiled product must not hold a float32 copy of the weight.
+    w = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((1, 1, 512), jnp.bfloat16)
+    step = jax.jit(lambda x, w: linear(x, w, dtype=jnp.float32)).lower(x, w).compile()
+    assert step.memory_analysis().temp_size_in_bytes < 4096 * 512 * 4 / 8

@@ -30,6 +30,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
+from equinox_dsv4 import _model
 from equinox_dsv4._model import _check_ids
 
 
@@ -318,3 +319,57 @@ def test_bfloat16_logits_close_to_float32():
     a = np.asarray(eqx.filter_jit(bf16)(ids))
     b = np.asarray(eqx.filter_jit(ours)(ids))
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-2
+
+
+def _cast(model, config, dtype):
+    # `model`'s weights in a skeleton of `config` in `dtype`.
+    skeleton = abstract(ed.DeepseekV4, config, dtype=dtype)
+    leaves = [
+        a.astype(s.dtype)
+        for a, s in zip(jax.tree.leaves(model), jax.tree.leaves(skeleton), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(skeleton), leaves)
+
+
+def test_bf16_carried_layer_scan_matches_the_plain_scan(models, monkeypatch):
+    # With 16-bit weights on XLA:CPU the layer scan carries its stacks and caches instead of
+    # scanning over them (`LayerStack.step`). It must compute what the plain scan computes:
+    # a chunk from the empty cache, then single tokens (each run traces anew, since the form
+    # is chosen at trace time).
+    _, ours = models("flash_like")
+    model = _cast(ours, ours.config, jnp.bfloat16)
+    assert model.layers[3].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
+
+    def run():
+        @eqx.filter_jit
+        def decode(model, ids):
+            cache = model.init_cache(ids.shape[0], 32)
+            logits, cache = model.decode(ids[:, :28], cache)
+            steps = [logits]
+            for t in (28, 29):
+                logits, cache = model.decode(ids[:, t : t + 1], cache)
+                steps.append(logits)
+            return jnp.concatenate(steps, axis=1)
+
+        return decode(model, ids)
+
+    carried = run()
+    monkeypatch.setattr(_model, "_loop_widens", lambda stacks: False)
+    np.testing.assert_allclose(carried, run(), atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_decode_step_does_not_widen_the_layer_stack():
+    # XLA:CPU computes bf16 in float32 and hoists the conversion of a loop-invariant operand
+    # out of the loop: scanning over bf16 stacks converted all of them (and the CSA caches) to
+    # float32 on every token (the small config's 43-layer step: 2.3 GiB of temporaries,
+    # benchmarks/NOTES.md, item 17). The step's temporaries must stay well below that.
+    config = dataclasses.replace(flash_shaped_tiny(), moe_intermediate_size=64)
+    model = abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16)
+    stack = model.layers[3]
+    assert isinstance(stack, ed.LayerStack) and stack.repeats == 20
+    widened = sum(4 * a.size for a in jax.tree.leaves(stack))
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
+    assert step.memory_analysis().temp_size_in_bytes < widened / 4

@@ -225,3 +225,28 @@ def test_scanned_decode_step_does_not_copy_every_expert():
 
     layer_slice = 3 * 56 * 64 * 32 * 4  # the 56 experts added, one layer's slice, float32
     assert temporaries(64) - temporaries(8) < layer_slice / 4
+
+
+def test_bf16_decode_step_does_not_widen_the_experts():
+    # With bf16 weights, a loop over the assignments (the unrolled layers' decode dispatch) had
+    # XLA:CPU convert each layer's whole expert stack to float32 in front of the loop, on every
+    # token (the small config's bf16 decode step: 165 -> 26 ms with the experts gathered,
+    # benchmarks/NOTES.md, item 17). So the step's temporaries must not grow with the number
+    # of experts.
+    def temporaries(experts):
+        config = tiny_config(
+            n_routed_experts=experts,
+            moe_intermediate_size=64,
+            num_nextn_predict_layers=0,
+            num_hidden_layers=4,
+        )
+        assert not any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
+        model = abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16)
+        cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
+        ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+        step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
+        return step.memory_analysis().temp_size_in_bytes
+
+    # The 56 experts added, float32, in one of the four layers.
+    layer_stack = 3 * 56 * 64 * 32 * 4
+    assert temporaries(64) - temporaries(8) < layer_stack / 4
