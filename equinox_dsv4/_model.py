@@ -107,8 +107,8 @@ class LayerStack(eqx.Module):
             blocks, caches = layer
             # This layer's slice of the stacked weights, fixed here: otherwise XLA may move a
             # conversion (e.g. XLA:CPU's bf16 -> f32 before a dot) in front of the slicing and
-            # out of the loop, materialising a converted copy of the whole stack. (XLA:CPU
-            # still widens bf16 stacks whole before the loop: benchmarks/NOTES.md, item 16.)
+            # out of the loop, materialising a converted copy of the whole stack. (Not enough
+            # on XLA:CPU, which converts in front of the slicing itself: see `_loop_widens`.)
             blocks = jax.lax.optimization_barrier(blocks)
             new, stats = [], []
             with in_layer_stack():
