@@ -107,23 +107,21 @@ def linear(
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
-    if _one_row_on_cpu(x, weight):
+    if x.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+        return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
+    # XLA:CPU's bf16 matmul kernel takes bf16 operands with a float32 result only; any other
+    # bf16 product it computes in float32 after converting both operands, the weight included,
+    # on every call (2-3x slower at the prefill's shapes). So: a float32 result, cast after
+    # (the sum is rounded once all the same). A single row is a matrix-vector product, which
+    # has no bf16 kernel at all: it gets a second, zero row (the small config's bf16 head:
+    # 87 -> 7.5 ms). benchmarks/NOTES.md, items 17 and 18.
+    if math.prod(x.shape[:-1]) == 1:
         two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = jnp.einsum("ri,oi->ro", two, weight, preferred_element_type=out_dtype)
-        return y[0].reshape(*x.shape[:-1], -1)
-    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
-
-
-def _one_row_on_cpu(x: Array, weight: Array) -> bool:
-    # XLA:CPU runs a one-row product (a decode step's) as a matrix-vector dot, which has no
-    # 16-bit kernel: it converts the whole weight to float32 first, on every call. With a
-    # second, zero row its bf16 matmul kernel takes the weight as it is (the small config's
-    # bf16 head: 87 -> 7.5 ms; benchmarks/NOTES.md, item 17).
-    return (
-        weight.dtype.itemsize < 4
-        and math.prod(x.shape[:-1]) == 1
-        and jax.default_backend() == "cpu"
-    )
+        y = jnp.einsum("ri,oi->ro", two, weight, preferred_element_type=jnp.float32)
+        y = y[0].reshape(*x.shape[:-1], -1)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
 
 
 class Linear(eqx.Module):

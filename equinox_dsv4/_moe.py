@@ -187,10 +187,7 @@ class Experts(eqx.Module):
         """
         if mesh_axis("expert") > 1:
             return expert_parallel(self, x, indices, weights)
-        # 16-bit weights gather too: XLA:CPU converts a 16-bit operand of a loop to float32
-        # whole, before the loop (the small config's bf16 decode step: 165 -> 26 ms,
-        # benchmarks/NOTES.md, item 17).
-        gather = _IN_LAYER_STACK.get() or self.w1.dtype.itemsize < 4
+        gather = _IN_LAYER_STACK.get()
         return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit, gather)
 
 
@@ -215,8 +212,7 @@ def dispatch(
     time, or with `gather` the chosen experts' weights gathered at once and the products
     batched. Use `gather` where the weights are not a parameter but a value (a slice of a
     scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
-    operand, and XLA copies such a value whole to pass it in. Also for 16-bit weights, which
-    XLA:CPU would convert whole to float32 in front of the loop.
+    operand, and XLA copies such a value whole to pass it in.
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
@@ -258,12 +254,15 @@ def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
     # A loop over assignments, each copying its expert's weights out of the stack; the copies
     # share one buffer. Unrolled, every copy got its own: the small config's decode step had
     # 38 MB of temporaries, which malloc mapped fresh, page faults included, on every token
-    # (benchmarks/NOTES.md, Round 3).
-    def one(_, a):
+    # (benchmarks/NOTES.md, Round 3). The stacks ride in the carry, through a barrier: as
+    # loop-invariant operands, XLA:CPU converted 16-bit stacks to float32 whole in front of
+    # the loop (item 17).
+    def one(stacks, a):
+        w1, w2, w3 = stacks = jax.lax.optimization_barrier(stacks)
         x, w, e = a
-        return None, _expert_row(x, w, w1[e], w2[e], w3[e], limit)
+        return stacks, _expert_row(x, w, w1[e], w2[e], w3[e], limit)
 
-    return jax.lax.scan(one, None, (xs, ws, chosen))[1]
+    return jax.lax.scan(one, (w1, w2, w3), (xs, ws, chosen))[1]
 
 
 def _gathered(xs, ws, chosen, w1, w2, w3, limit):
