@@ -228,11 +228,10 @@ def test_scanned_decode_step_does_not_copy_every_expert():
 
 
 def test_bf16_decode_step_does_not_widen_the_experts():
-    # With bf16 weights, a loop over the assignments (the unrolled layers' decode dispatch) had
-    # XLA:CPU convert each layer's whole expert stack to float32 in front of the loop, on every
-    # token (the small config's bf16 decode step: 165 -> 26 ms with the experts gathered,
-    # benchmarks/NOTES.md, item 17). So the step's temporaries must not grow with the number
-    # of experts.
+    # With bf16 weights, the loop over the assignments (the unrolled layers' decode dispatch)
+    # had XLA:CPU convert each layer's whole expert stack to float32 in front of the loop, on
+    # every token, until the loop carried the stacks (benchmarks/NOTES.md, item 17). So the
+    # step's temporaries must not grow with the number of experts.
     def temporaries(experts):
         config = tiny_config(
             n_routed_experts=experts,
