@@ -233,6 +233,14 @@ def keep_freed_memory(args) -> str:
     return "-keep-freed-memory"
 
 
+@jax.jit
+def fast_matmul(a, b):
+    """`a @ b` in XLA:CPU's fastest form, the one `equinox_dsv4`'s layers use: for bf16
+    operands a float32 result, cast after (a bf16 result converts both operands to float32
+    first; NOTES.md, item 18)."""
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
 def block(x):
     return jax.block_until_ready(x)
 

@@ -19,12 +19,12 @@ Writes benchmarks/results/prefill.*.
 import argparse
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 from common import (
     add_keep_freed_memory,
     block,
+    fast_matmul,
     keep_freed_memory,
     markdown,
     random_ids,
@@ -68,11 +68,8 @@ def prefill_flops(config: ed.Config, tokens: int) -> float:
 
 
 def matmul_flops_per_second(dtype, size: int = 2048, repeats: int = 5) -> float:
-    # XLA:CPU's fastest form of the product: for bf16 operands a float32 result, cast after
-    # (a bf16 result converts both operands to float32 first; NOTES.md, item 18).
     a = jnp.ones((size, size), dtype)
-    f = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
-    seconds = timed(lambda: block(f(a, a)), repeats)
+    seconds = timed(lambda: block(fast_matmul(a, a)), repeats)
     return 2 * size**3 / seconds
 
 

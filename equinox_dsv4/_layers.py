@@ -78,6 +78,15 @@ def rms_normalize(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*b
     return _normalized(x, eps).astype(x.dtype)
 
 
+def narrow_on_cpu(*arrays: Array) -> bool:
+    """Whether any of `arrays` holds 16-bit floats and the backend is XLA:CPU, which computes
+    most 16-bit operations in float32, converting their operands first (benchmarks/NOTES.md,
+    items 17 and 18)."""
+    return jax.default_backend() == "cpu" and any(
+        jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays
+    )
+
+
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32.
 
@@ -88,7 +97,7 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     layer loop, a float32 copy of the whole stack (`linear` and the experts' matmuls take the
     `preferred_element_type` path, which XLA:CPU supports for their layouts).
     """
-    if min(a.dtype.itemsize, b.dtype.itemsize) < 4 and jax.default_backend() == "cpu":
+    if narrow_on_cpu(a, b):
         a, b = f32(a), f32(b)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
@@ -107,7 +116,7 @@ def linear(
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
-    if x.dtype.itemsize >= 4 or jax.default_backend() != "cpu":
+    if not narrow_on_cpu(x):
         return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
     # XLA:CPU's bf16 matmul kernel takes bf16 operands with a float32 result only; any other
     # bf16 product it computes in float32 after converting both operands, the weight included,

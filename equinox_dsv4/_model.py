@@ -12,7 +12,7 @@ from ._block import Block
 from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
-from ._layers import Embedding, Linear, RMSNorm
+from ._layers import Embedding, Linear, RMSNorm, narrow_on_cpu
 from ._moe import RouterStats, in_layer_stack
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
@@ -46,8 +46,7 @@ def _loop_widens(stacks) -> bool:
     # operand out of the loop: scanned over as they are, bf16 stacks are converted to float32
     # whole in front of the layer loop, on every call (the small config's 43-layer bf16 decode
     # step: 2.3 GiB of temporaries; benchmarks/NOTES.md, item 17).
-    floats = [a for a in jax.tree.leaves(stacks) if jnp.issubdtype(a.dtype, jnp.floating)]
-    return jax.default_backend() == "cpu" and any(a.dtype.itemsize < 4 for a in floats)
+    return narrow_on_cpu(*jax.tree.leaves(stacks))
 
 
 class LayerStack(eqx.Module):

@@ -101,6 +101,15 @@ def abstract(cls, *args, **kwargs):
     return eqx.filter_eval_shape(cls, *args, key=jax.random.key(0), **kwargs)
 
 
+def decode_temporaries(model: ed.DeepseekV4, max_len: int = 64) -> int:
+    """Bytes of temporaries XLA's compiled one-token decode step of (abstract) `model` holds,
+    batch 1, cache of `max_len`."""
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, max_len), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
+    return step.memory_analysis().temp_size_in_bytes
+
+
 def random_fill(module, seed: int, n_experts: int = 8):
     """Concrete random weights for an (abstract) module: float leaves ~ N(0, 1/fan_in) (vectors
     N(1, 0.2^2) for norm weights, N(0, 0.5^2) otherwise), integer leaves (tid2eid) in

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hf_reference import (
     abstract,
+    decode_temporaries,
     hf_config,
     load_component,
     random_fill,
@@ -217,11 +218,7 @@ def test_scanned_decode_step_does_not_copy_every_expert():
             n_routed_experts=experts, moe_intermediate_size=64, num_nextn_predict_layers=0
         )
         assert any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
-        model = abstract(ed.DeepseekV4, config)
-        cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
-        ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-        step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
-        return step.memory_analysis().temp_size_in_bytes
+        return decode_temporaries(abstract(ed.DeepseekV4, config))
 
     layer_slice = 3 * 56 * 64 * 32 * 4  # the 56 experts added, one layer's slice, float32
     assert temporaries(64) - temporaries(8) < layer_slice / 4
@@ -240,11 +237,7 @@ def test_bf16_decode_step_does_not_widen_the_experts():
             num_hidden_layers=4,
         )
         assert not any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
-        model = abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16)
-        cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
-        ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-        step = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache).compile()
-        return step.memory_analysis().temp_size_in_bytes
+        return decode_temporaries(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16))
 
     # The 56 experts added, float32, in one of the four layers.
     layer_stack = 3 * 56 * 64 * 32 * 4
