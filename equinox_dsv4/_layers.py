@@ -46,25 +46,55 @@ def lead(a: Array, ndim: int) -> Array:
     return a.reshape((1,) * (ndim - a.ndim) + a.shape)
 
 
+def zeros_after(shape: tuple[int, ...], dtype: DTypeLike, after: Array) -> Array:
+    """Zeros of `shape` that XLA cannot create before `after` exists: a loop's initial carry.
+
+    A constant is ready when the program starts, and XLA:CPU's default scheduler (concurrency
+    optimised, breadth first) creates it there, so every layer's zero-initialised loop carry
+    lived from the start of the call to its loop (benchmarks/NOTES.md, item 20). An
+    `optimization_barrier` does not prevent that (XLA removes it before scheduling); a value
+    computed from `after` does. It is `min(|a|, 0)` of one element `a`, which is 0 unless `a` is
+    NaN (then every entry is NaN).
+    """
+    a = after.reshape(-1)[0]
+    return jnp.broadcast_to(jnp.minimum(jnp.abs(a), 0).astype(dtype), shape)
+
+
 def map_chunks(fn, arrays: tuple[Array, ...], size: int) -> Any:
-    """`fn(*arrays)` computed in chunks of `size` along axis 1 (one `lax.map` step each), for
-    arrays `[batch, n, ...]`; `fn` must treat the entries along axis 1 independently. Bounds
-    the memory of per-query intermediates (attention logits, index scores) on long chunks."""
+    """`fn(*arrays)` computed in chunks of `size` along axis 1 (one loop step each), for arrays
+    `[batch, n, ...]`; `fn` must treat the entries along axis 1 independently and return arrays
+    `[batch, size, ...]`. Bounds the memory of per-query intermediates (attention logits, index
+    scores) on long chunks.
+
+    Each step slices its chunk and writes its results in place, so nothing is transposed and
+    the outputs are created once the inputs exist (`zeros_after`; `lax.map` starts from
+    constants, which XLA:CPU creates at the start of the program).
+    """
     n = arrays[0].shape[1]
     if n <= size:
         return fn(*arrays)
     chunks = -(-n // size)
+    padded = tuple(
+        jnp.pad(a, ((0, 0), (0, chunks * size - n)) + ((0, 0),) * (a.ndim - 2)) for a in arrays
+    )
 
-    def split(a):
-        a = jnp.pad(a, ((0, 0), (0, chunks * size - n)) + ((0, 0),) * (a.ndim - 2))
-        return jnp.moveaxis(a.reshape(a.shape[0], chunks, size, *a.shape[2:]), 1, 0)
+    def chunk(i):
+        return fn(*(jax.lax.dynamic_slice_in_dim(a, i * size, size, axis=1) for a in padded))
 
-    def join(a):
-        a = jnp.moveaxis(a, 0, 1)
-        return a.reshape(a.shape[0], chunks * size, *a.shape[3:])[:, :n]
+    shapes = jax.eval_shape(chunk, 0)
+    out = jax.tree.map(
+        lambda s: zeros_after((s.shape[0], chunks * size, *s.shape[2:]), s.dtype, padded[0]), shapes
+    )
 
-    out = jax.lax.map(lambda chunk: fn(*chunk), tuple(split(a) for a in arrays))
-    return jax.tree.map(join, out)
+    def step(i, out):
+        return jax.tree.map(
+            lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r, i * size, axis=1),
+            out,
+            chunk(i),
+        )
+
+    out = jax.lax.fori_loop(0, chunks, step, out)
+    return jax.tree.map(lambda a: a[:, :n], out)
 
 
 def _normalized(x: Array, eps: float) -> Array:

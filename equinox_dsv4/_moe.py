@@ -27,7 +27,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._layers import Linear, f32, init_normal, lead, linear, wider_dtype
+from ._layers import Linear, f32, init_normal, lead, linear, wider_dtype, zeros_after
 from ._parallel import batch_axes, mesh_axis
 
 
@@ -232,22 +232,27 @@ def dispatch(
     size = _padded_rows(rows, n_experts, pad)
 
     order = jnp.argsort(expert, stable=True)
-    expert_sorted = expert[order]
-    token_sorted = order // top_k
     counts = jnp.bincount(expert, length=n_experts)  # the dropped expert is not counted
     padded = -(-counts // pad) * pad
     padded_end = jnp.cumsum(padded)
-    # Row r of the sorted assignments goes to its expert's padded group, in order.
-    safe = jnp.minimum(expert_sorted, n_experts - 1)
-    rank = jnp.arange(rows) - (jnp.cumsum(counts) - counts)[safe]
-    dest = jnp.where(expert_sorted < n_experts, (padded_end - padded)[safe] + rank, size)
-    xs = jnp.zeros((size, x.shape[-1]), x.dtype).at[dest].set(x[token_sorted], mode="drop")
-    ws = jnp.zeros((size,), jnp.float32).at[dest].set(weights.reshape(rows)[order], mode="drop")
+    padded_start = padded_end - padded
+    sorted_start = jnp.cumsum(counts) - counts
+    # Padded row p: its expert, its rank in the expert's group, and the assignment it holds.
+    p = jnp.arange(size)
+    e = jnp.minimum(jnp.searchsorted(padded_end, p, side="right"), n_experts - 1)
+    rank = p - padded_start[e]
+    held = rank < counts[e]
+    assignment = order[jnp.where(held, sorted_start[e] + rank, 0)]
+    xs = x[assignment // top_k]  # rows holding none: any token, with weight 0
+    ws = jnp.where(held, weights.reshape(rows)[assignment], 0.0)
 
-    ys = expert_mlps(xs, ws, w1, w2, w3, padded_end - padded, padded, limit, block, pad)
-    ys = ys[jnp.minimum(dest, size - 1)]
-    ys = jnp.where((expert_sorted < n_experts)[:, None], ys, 0.0)
-    return jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_sorted].add(ys)
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, limit, block, pad)
+    # Each assignment's padded row, read back per token: a gather, no scatter.
+    position = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    safe = jnp.minimum(expert, n_experts - 1)
+    row = padded_start[safe] + position - sorted_start[safe]
+    ys = jnp.where((expert < n_experts)[:, None], ys[jnp.minimum(row, size - 1)], 0.0)
+    return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
 
 
 def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
@@ -319,6 +324,23 @@ def _over_rows(start, n, block, tail, carry, body):
     return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
 
 
+def _over_experts(body, carry, w1, w2, w3, first, count):
+    # body(carry, (w1[e], w2[e], w3[e], first[e], count[e])) -> (carry, y) for each expert e, as
+    # a scan. The stacks ride in the carry, through a barrier: as the scanned operand, XLA:CPU
+    # converted 16-bit stacks to float32 whole, every layer's at the start of the program (the
+    # small config's bf16 prefill: 384 MiB; benchmarks/NOTES.md, item 20; decoding, item 17).
+    def step(carry, args):
+        carry, stacks = carry
+        w1, w2, w3 = stacks = jax.lax.optimization_barrier(stacks)
+        e, start, n = args
+        carry, y = body(carry, (w1[e], w2[e], w3[e], start, n))
+        return (carry, stacks), y
+
+    experts = jnp.arange(w1.shape[0])
+    (carry, _), ys = jax.lax.scan(step, (carry, (w1, w2, w3)), (experts, first, count))
+    return carry, ys
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def expert_mlps(
     xs: Float[Array, "rows d_model"],
@@ -361,8 +383,8 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
 
         return _over_rows(start, n, block, tail, out, rows), None
 
-    out = _varying_like(jnp.zeros((xs.shape[0], w2.shape[1]), jnp.float32), xs, w1)
-    out = jax.lax.scan(expert, out, (w1, w2, w3, first, count))[0]
+    out = _varying_like(zeros_after((xs.shape[0], w2.shape[1]), jnp.float32, xs), xs, w1)
+    out = _over_experts(expert, out, w1, w2, w3, first, count)[0]
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
@@ -398,10 +420,10 @@ def _expert_mlps_bwd(limit, block, tail, residuals, dys):
         return (dxs, dws), (d1.astype(w1.dtype), d2.astype(w2.dtype), d3.astype(w3.dtype))
 
     init = (
-        _varying_like(jnp.zeros_like(xs), dys, w1),
-        _varying_like(jnp.zeros(ws.shape, jnp.float32), dys, w1),
+        _varying_like(zeros_after(xs.shape, xs.dtype, dys), dys, w1),
+        _varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
     )
-    (dxs, dws), (d1, d2, d3) = jax.lax.scan(expert, init, (w1, w2, w3, first, count))
+    (dxs, dws), (d1, d2, d3) = _over_experts(expert, init, w1, w2, w3, first, count)
     return dxs, dws, d1, d2, d3, None, None
 
 

@@ -11,7 +11,7 @@ from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._layers import linear, rms_normalize
+from equinox_dsv4._layers import linear, map_chunks, rms_normalize, zeros_after
 from equinox_dsv4._rope import inverse_frequencies
 
 
@@ -129,3 +129,39 @@ def test_one_row_bf16_linear_does_not_widen_the_weight():
     x = jax.ShapeDtypeStruct((1, 1, 512), jnp.bfloat16)
     step = jax.jit(lambda x, w: linear(x, w, dtype=jnp.float32)).lower(x, w).compile()
     assert step.memory_analysis().temp_size_in_bytes < 4096 * 512 * 4 / 8
+
+
+def test_map_chunks_matches_one_call(getkey):
+    # 45 entries in chunks of 8: the last chunk is padded. Two outputs, one of them integer,
+    # and the gradient, which training takes through the attention's chunks.
+    x = jax.random.normal(getkey(), (2, 45, 3))
+    y = jax.random.normal(getkey(), (2, 45, 3, 5))
+
+    def fn(x, y):
+        z = jnp.einsum("bnk,bnkj->bnj", x, y)
+        return {"z": jnp.tanh(z), "i": jnp.argmax(z, axis=-1)}
+
+    whole, chunked = fn(x, y), map_chunks(fn, (x, y), 8)
+    assert chunked["z"].shape == (2, 45, 5) and chunked["i"].dtype == whole["i"].dtype
+    np.testing.assert_allclose(chunked["z"], whole["z"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(chunked["i"], whole["i"])
+
+    def loss(chunks):
+        return lambda x, y: jnp.sum(jnp.sin(map_chunks(fn, (x, y), chunks)["z"]))
+
+    grads = jax.grad(loss(8), argnums=(0, 1))(x, y)
+    for ours, expected in zip(grads, jax.grad(loss(64), argnums=(0, 1))(x, y), strict=True):
+        np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", [-np.inf, -2.5, 0.0, np.inf])
+def test_zeros_after_is_positive_zero(first):
+    # Made from an element of its input (so that XLA schedules it after), but zeros all the
+    # same, whatever that element is short of NaN. (That it is scheduled after its input is
+    # tested on the prefill's temporaries, test_model.py.)
+    x = jnp.array([[first, 2.0], [3.0, np.nan]], jnp.float32)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.int32):
+        z = jax.jit(lambda x, dtype=dtype: zeros_after((3, 4), dtype, x))(x)
+        assert z.shape == (3, 4) and z.dtype == dtype
+        assert (np.asarray(z, np.float32) == 0).all()
+        assert not np.signbit(np.asarray(z, np.float32)).any()

@@ -366,3 +366,26 @@ def test_bf16_decode_step_does_not_widen_the_layer_stack():
     assert isinstance(stack, ed.LayerStack) and stack.repeats == 20
     widened = sum(4 * a.size for a in jax.tree.leaves(stack))
     assert decode_temporaries(model) < widened / 4
+
+
+def test_prefill_temporaries_do_not_grow_with_unrolled_layers():
+    # XLA:CPU's scheduler creates a constant where the program starts, so loops whose carry
+    # began as zeros (the attention's query steps, the expert loop, the dispatch's scatter) had
+    # every layer's carry alive for the whole call: the small config's 2048-token prefill held
+    # 381 MiB of temporaries, which malloc maps and faults in afresh on every call
+    # (benchmarks/NOTES.md, item 20). Here that was ~230 KB per layer, a third of the 2-layer
+    # prefill's; a layer now adds about 20 KB.
+    def temporaries(layers):
+        config = tiny_config(
+            layer_types=(ed.SLIDING,) * layers, num_hash_layers=0, scan_min_repeats=100
+        )
+        model = abstract(ed.DeepseekV4, config)
+        ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)  # 8 attention steps, an expert loop
+
+        def prefill(model, ids):
+            return model.decode(ids, model.init_cache(1, 256), last_only=True)[0]
+
+        compiled = jax.jit(prefill).lower(model, ids).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(6) < 1.3 * temporaries(2)

@@ -242,3 +242,23 @@ def test_bf16_decode_step_does_not_widen_the_experts():
     # The 56 experts added, float32, in one of the four layers.
     layer_stack = 3 * 56 * 64 * 32 * 4
     assert temporaries(64) - temporaries(8) < layer_stack / 4
+
+
+def test_bf16_prefill_dispatch_does_not_widen_the_experts():
+    # 256 assignments for 16 experts: the expert loop. With the stacks as the loop's scanned
+    # operand, XLA:CPU converted each bf16 stack to float32 whole in front of it, every
+    # layer's at the start of the program (the small config's bf16 prefill: 384 MiB of its
+    # 762 MiB of temporaries; benchmarks/NOTES.md, item 20). The loop carries them now.
+    experts, inter, dim, tokens, top_k = 16, 128, 128, 64, 4
+    widened = 3 * experts * inter * dim * 4
+
+    def f(x, indices, weights, w1, w2, w3):
+        return ed._moe.dispatch(x, indices, weights, w1, w2, w3, 0.0)
+
+    shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
+    shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
+    dtypes = [jnp.bfloat16, jnp.int32, jnp.float32] + [jnp.bfloat16] * 3
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    compiled = jax.jit(f).lower(*args).compile()
+    # Here: 0.6 MB (rows, outputs), against 3.7 MB with the stacks converted.
+    assert compiled.memory_analysis().temp_size_in_bytes < widened / 2
