@@ -259,15 +259,12 @@ def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
     # A loop over assignments, each copying its expert's weights out of the stack; the copies
     # share one buffer. Unrolled, every copy got its own: the small config's decode step had
     # 38 MB of temporaries, which malloc mapped fresh, page faults included, on every token
-    # (benchmarks/NOTES.md, Round 3). The stacks ride in the carry, through a barrier: as
-    # loop-invariant operands, XLA:CPU converted 16-bit stacks to float32 whole in front of
-    # the loop (item 17).
-    def one(stacks, a):
-        w1, w2, w3 = stacks = jax.lax.optimization_barrier(stacks)
-        x, w, e = a
-        return stacks, _expert_row(x, w, w1[e], w2[e], w3[e], limit)
+    # (benchmarks/NOTES.md, Round 3).
+    def one(_, w, a):
+        x, wt = a
+        return None, _expert_row(x, wt, *w, limit)
 
-    return jax.lax.scan(one, (w1, w2, w3), (xs, ws, chosen))[1]
+    return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws))[1]
 
 
 def _gathered(xs, ws, chosen, w1, w2, w3, limit):
@@ -324,20 +321,20 @@ def _over_rows(start, n, block, tail, carry, body):
     return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
 
 
-def _over_experts(body, carry, w1, w2, w3, first, count):
-    # body(carry, (w1[e], w2[e], w3[e], first[e], count[e])) -> (carry, y) for each expert e, as
-    # a scan. The stacks ride in the carry, through a barrier: as the scanned operand, XLA:CPU
-    # converted 16-bit stacks to float32 whole, every layer's at the start of the program (the
-    # small config's bf16 prefill: 384 MiB; benchmarks/NOTES.md, item 20; decoding, item 17).
-    def step(carry, args):
+def _over_experts(body, carry, stacks, chosen, xs):
+    # A scan of body(carry, (w1[e], w2[e], w3[e]), x) -> (carry, y) over the experts e in
+    # `chosen` and the matching entries x of `xs`. The stacks ride in the carry, through a
+    # barrier: as a loop's operand, XLA:CPU converted 16-bit stacks to float32 whole in front of
+    # the loop, on every call (decoding: benchmarks/NOTES.md, item 17; the small config's bf16
+    # prefill, every layer's stacks at the start of the program, 384 MiB: item 20).
+    def step(carry, a):
         carry, stacks = carry
-        w1, w2, w3 = stacks = jax.lax.optimization_barrier(stacks)
-        e, start, n = args
-        carry, y = body(carry, (w1[e], w2[e], w3[e], start, n))
+        stacks = jax.lax.optimization_barrier(stacks)
+        e, x = a
+        carry, y = body(carry, tuple(w[e] for w in stacks), x)
         return (carry, stacks), y
 
-    experts = jnp.arange(w1.shape[0])
-    (carry, _), ys = jax.lax.scan(step, (carry, (w1, w2, w3)), (experts, first, count))
+    (carry, _), ys = jax.lax.scan(step, (carry, stacks), (chosen, xs))
     return carry, ys
 
 
@@ -371,9 +368,9 @@ def expert_mlps(
 def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
     c = wider_dtype(xs, w1)
 
-    def expert(out, args):
-        w1e, w2e, w3e, start, n = args
-        w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
+    def expert(out, w, args):
+        w1e, w2e, w3e = (a.astype(c) for a in w)
+        start, n = args
 
         def rows(out, offset, size):
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
@@ -384,7 +381,8 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
         return _over_rows(start, n, block, tail, out, rows), None
 
     out = _varying_like(zeros_after((xs.shape[0], w2.shape[1]), jnp.float32, xs), xs, w1)
-    out = _over_experts(expert, out, w1, w2, w3, first, count)[0]
+    experts = jnp.arange(w1.shape[0])
+    out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count))[0]
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
@@ -395,9 +393,9 @@ def _expert_mlps_bwd(limit, block, tail, residuals, dys):
     def dot(spec, a, b):
         return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
 
-    def expert(carry, args):
-        w1e, w2e, w3e, start, n = args
-        w1e, w2e, w3e = w1e.astype(c), w2e.astype(c), w3e.astype(c)
+    def expert(carry, w, args):
+        w1e, w2e, w3e = (a.astype(c) for a in w)
+        start, n = args
 
         def rows(carry, offset, size):
             dxs, dws, d1, d2, d3 = carry
@@ -415,7 +413,7 @@ def _expert_mlps_bwd(limit, block, tail, residuals, dys):
             dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(xs.dtype), offset, 0)
             return dxs, dws, d1, d2, d3
 
-        zeros = [_varying_like(jnp.zeros(w.shape, jnp.float32), xs, dys, w1) for w in args[:3]]
+        zeros = [_varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
         dxs, dws, d1, d2, d3 = _over_rows(start, n, block, tail, (*carry, *zeros), rows)
         return (dxs, dws), (d1.astype(w1.dtype), d2.astype(w2.dtype), d3.astype(w3.dtype))
 
@@ -423,7 +421,8 @@ def _expert_mlps_bwd(limit, block, tail, residuals, dys):
         _varying_like(zeros_after(xs.shape, xs.dtype, dys), dys, w1),
         _varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
     )
-    (dxs, dws), (d1, d2, d3) = _over_experts(expert, init, w1, w2, w3, first, count)
+    experts = jnp.arange(w1.shape[0])
+    (dxs, dws), (d1, d2, d3) = _over_experts(expert, init, (w1, w2, w3), experts, (first, count))
     return dxs, dws, d1, d2, d3, None, None
 
 
