@@ -1,10 +1,13 @@
 """The DeepSeek-V4 model: embedding, `hc_mult` residual streams, the planned layer stack, the
 stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) block."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -12,7 +15,7 @@ from ._block import Block
 from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
-from ._layers import Embedding, Linear, RMSNorm, narrow_on_cpu
+from ._layers import Embedding, Linear, RMSNorm, narrow_on_cpu, zeros_after
 from ._moe import RouterStats, in_layer_stack
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
@@ -47,6 +50,39 @@ def _loop_widens(stacks) -> bool:
     # whole in front of the layer loop, on every call (the small config's 43-layer bf16 decode
     # step: 2.3 GiB of temporaries; benchmarks/NOTES.md, item 17).
     return narrow_on_cpu(*jax.tree.leaves(stacks))
+
+
+def _layer_after(r: int, stacks, after: Array):
+    # Layer r's slices of `stacks` (copies), taken once `after` exists: with static slices
+    # XLA:CPU's scheduler took every layer's at the start of the program (the small config's
+    # 43-layer prefill: 2.3 GiB of temporaries, the stacked weights once more;
+    # benchmarks/NOTES.md, item 21). The index is computed from `after`; the gradient is a
+    # static slice's (a pad), which XLA sums across layers as it did before.
+    i = r + zeros_after((), jnp.int32, after)
+
+    def take(a):
+        if not jnp.issubdtype(a.dtype, jnp.inexact):
+            return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+        return _index(a, i, r, a.shape[0])
+
+    return jax.tree.map(take, stacks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _index(a: Array, i: Array, r: int, n: int) -> Array:
+    return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+
+
+def _index_fwd(a, i, r, n):
+    return _index(a, i, r, n), i
+
+
+def _index_bwd(r, n, i, g):
+    pad = [(r, n - 1 - r, 0)] + [(0, 0, 0)] * g.ndim
+    return jax.lax.pad(g[None], jnp.zeros((), g.dtype), pad), np.zeros(i.shape, jax.dtypes.float0)
+
+
+_index.defvjp(_index_fwd, _index_bwd)
 
 
 class LayerStack(eqx.Module):
@@ -138,7 +174,7 @@ class LayerStack(eqx.Module):
             return x, new, stats
         outs = []
         for r in range(self.repeats):
-            x, out = period(x, jax.tree.map(lambda a, r=r: a[r], (self.blocks, caches)))
+            x, out = period(x, _layer_after(r, (self.blocks, caches), x))
             outs.append(out)
         new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return x, new, stats

@@ -127,6 +127,29 @@ def test_scan_and_unrolled_give_identical_logits(models):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
+def test_unrolled_stack_gradient_equals_the_scanned_one():
+    # Unrolled, each layer's slice of the stacked weights has a hand-written gradient (a pad
+    # at the layer's place in the stack, `_model._index`); the scan's is JAX's own.
+    config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
+    scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
+    assert isinstance(scanned.layers[0], ed.LayerStack) and scanned.layers[0].repeats == 3
+    skeleton = abstract(ed.DeepseekV4, dataclasses.replace(config, scan_layers=False))
+    unrolled = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(scanned))
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 12)), jnp.int32)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(model):
+        return jnp.sum(jnp.sin(model(ids)))
+
+    a, b = grad(scanned).layers[0], grad(unrolled).layers[0]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-6 * float(jnp.max(jnp.abs(x))), rtol=1e-5)
+    # Every layer of the stack has its own gradient, in its own place.
+    w = a.blocks[0].attn.wq_a.weight
+    assert w.shape[0] == 3 and all(np.any(np.asarray(w[r])) for r in range(3))
+
+
 def test_layer_weights_do_not_depend_on_the_plan():
     config = tiny_config(layer_types=(S, C, H, C, H), num_hash_layers=1, num_nextn_predict_layers=0)
     scanned = ed.DeepseekV4(dataclasses.replace(config, scan_min_repeats=2), key=jax.random.key(3))
@@ -386,6 +409,33 @@ def test_prefill_temporaries_do_not_grow_with_unrolled_layers():
             return model.decode(ids, model.init_cache(1, 256), last_only=True)[0]
 
         compiled = jax.jit(prefill).lower(model, ids).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temporaries(6) < 1.3 * temporaries(2)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_unrolled_stack_takes_each_layer_when_it_runs(kind):
+    # With `scan_layers=False` a stack's layers are slices of its stacked weights, which XLA
+    # copies; taken as static slices, XLA:CPU's scheduler copied every layer's at the start of
+    # the program, so the temporaries held the stack's weights once more (the small config's
+    # 43-layer prefill: 2.3 GiB; benchmarks/NOTES.md, item 21). Here, 6 layers against 2:
+    # 1.6x (prefill) and 3.0x (decode) the temporaries that way; now 1.09x and 1.01x.
+    def temporaries(layers):
+        config = tiny_config(
+            layer_types=(ed.SLIDING,) * layers,
+            num_hash_layers=0,
+            scan_min_repeats=2,
+            scan_layers=False,
+        )
+        model = abstract(ed.DeepseekV4, config)
+        assert isinstance(model.layers[0], ed.LayerStack) and model.layers[0].repeats == layers
+        ids = jax.ShapeDtypeStruct((1, 256 if kind == "prefill" else 1), jnp.int32)
+
+        def run(model, ids):
+            return model.decode(ids, model.init_cache(1, 256))[0]
+
+        compiled = jax.jit(run).lower(model, ids).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temporaries(6) < 1.3 * temporaries(2)
