@@ -56,9 +56,11 @@ def _layer_after(r: int, stacks, after: Array):
     # Layer r's slices of `stacks` (copies), taken once `after` exists: with static slices
     # XLA:CPU's scheduler took every layer's at the start of the program (the small config's
     # 43-layer prefill: 2.3 GiB of temporaries, the stacked weights once more;
-    # benchmarks/NOTES.md, item 21). The index is computed from `after`; the gradient is a
-    # static slice's (a pad), which XLA sums across layers as it did before.
-    i = r + zeros_after((), jnp.int32, after)
+    # benchmarks/NOTES.md, item 21). The index is computed from `after` (a NaN there, in one
+    # sequence, must not pick another layer for the others); the gradient is a static slice's
+    # (a pad), which XLA sums across layers as it did before.
+    zero = zeros_after((), jnp.float32, after)
+    i = r + jnp.where(jnp.isnan(zero), 0.0, zero).astype(jnp.int32)
 
     def take(a):
         if not jnp.issubdtype(a.dtype, jnp.inexact):
