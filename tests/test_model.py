@@ -127,9 +127,10 @@ def test_scan_and_unrolled_give_identical_logits(models):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_unrolled_stack_gradient_equals_the_scanned_one():
-    # Unrolled, each layer's slice of the stacked weights has a hand-written gradient (a pad
-    # at the layer's place in the stack, `_model._index`); the scan's is JAX's own.
+def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
+    # Unrolled, each layer's slice of the stacked weights has a hand-written derivative (the
+    # static slice's, `_model._index`); the scan's is JAX's own.
+    taken = _count_layer_slices(monkeypatch)
     config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
     scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
     assert isinstance(scanned.layers[0], ed.LayerStack) and scanned.layers[0].repeats == 3
@@ -142,12 +143,47 @@ def test_unrolled_stack_gradient_equals_the_scanned_one():
     def grad(model):
         return jnp.sum(jnp.sin(model(ids)))
 
-    a, b = grad(scanned).layers[0], grad(unrolled).layers[0]
+    a = grad(scanned).layers[0]
+    assert taken == []
+    b = grad(unrolled).layers[0]
+    assert sorted(taken) == [0, 1, 2]  # the unrolled path ran
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6 * float(jnp.max(jnp.abs(x))), rtol=1e-5)
     # Every layer of the stack has its own gradient, in its own place.
-    w = a.blocks[0].attn.wq_a.weight
+    w = b.blocks[0].attn.wq_a.weight
     assert w.shape[0] == 3 and all(np.any(np.asarray(w[r])) for r in range(3))
+
+
+def test_unrolled_layer_slice_derivatives_are_a_static_slices():
+    stack = jax.random.normal(jax.random.key(0), (3, 2, 4))
+    after = jnp.ones((2, 5))
+    for r in range(3):
+
+        def ours(a, r=r):
+            return jnp.sin(ed._model._layer_after(r, a, after))
+
+        def static(a, r=r):
+            return jnp.sin(a[r])
+
+        np.testing.assert_array_equal(ours(stack), static(stack))
+        loss = [lambda a, f=f: jnp.sum(f(a) ** 2) for f in (ours, static)]
+        np.testing.assert_array_equal(jax.grad(loss[0])(stack), jax.grad(loss[1])(stack))
+        tangent = jnp.ones_like(stack)
+        np.testing.assert_array_equal(
+            jax.jvp(ours, (stack,), (tangent,))[1], jax.jvp(static, (stack,), (tangent,))[1]
+        )
+
+
+def _count_layer_slices(monkeypatch) -> list[int]:
+    # The layers an unrolled stack takes out of its stacked weights, as they are traced.
+    taken, take = [], ed._model._layer_after
+
+    def counted(r, *args):
+        taken.append(r)
+        return take(r, *args)
+
+    monkeypatch.setattr(ed._model, "_layer_after", counted)
+    return taken
 
 
 def test_layer_weights_do_not_depend_on_the_plan():
@@ -415,7 +451,7 @@ def test_prefill_temporaries_do_not_grow_with_unrolled_layers():
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
-def test_unrolled_stack_takes_each_layer_when_it_runs(kind):
+def test_unrolled_stack_takes_each_layer_when_it_runs(kind, monkeypatch):
     # With `scan_layers=False` a stack's layers are slices of its stacked weights, which XLA
     # copies; taken as static slices, XLA:CPU's scheduler copied every layer's at the start of
     # the program, so the temporaries held the stack's weights once more (the small config's
@@ -435,7 +471,10 @@ def test_unrolled_stack_takes_each_layer_when_it_runs(kind):
         def run(model, ids):
             return model.decode(ids, model.init_cache(1, 256))[0]
 
+        taken.clear()
         compiled = jax.jit(run).lower(model, ids).compile()
+        assert sorted(taken) == list(range(layers))  # the unrolled path ran
         return compiled.memory_analysis().temp_size_in_bytes
 
+    taken = _count_layer_slices(monkeypatch)
     assert temporaries(6) < 1.3 * temporaries(2)
