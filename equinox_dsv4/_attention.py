@@ -43,6 +43,9 @@ GATHER_MAX_QUERIES = 16
 # Query blocks (of `window` queries) attended per step of a long chunk: bounds the logits held
 # at once to `BLOCKS_PER_STEP * window` queries.
 BLOCKS_PER_STEP = 4
+# Up to this many tokens the grouped output projection is one batched einsum over `wo_a`
+# instead of a matmul per group, whose weight slices XLA:CPU copies out of `wo_a` first.
+_FEW_TOKENS = 16
 
 
 def _rows(x: Array, index: Array) -> Array:
@@ -313,8 +316,9 @@ class Attention(eqx.Module):
         g = self.o_groups
         grouped = o.reshape(b, s, g, -1)
         wo_a = self.wo_a.weight.reshape(g, -1, grouped.shape[-1]).astype(o.dtype)
-        if mesh_axis("tensor") > 1:
+        if mesh_axis("tensor") > 1 or b * s <= _FEW_TOKENS:
             # Groups split over `tensor` (ShardingRules): one einsum, each device its groups.
+            # Decode steps take it too (`_FEW_TOKENS`; benchmarks/NOTES.md, Round 9).
             z = jnp.einsum("bsgi,goi->bsgo", grouped, wo_a)
         else:
             # One plain matmul per group: XLA:CPU runs the batched einsum as per-token

@@ -41,7 +41,8 @@ def run_reference(reference, rotary, x, window):
     return to_numpy(out)
 
 
-# Layers of tiny_config: 0 sliding, 2 CSA (hash), 3 HCA.
+# Layers of tiny_config: 0 sliding, 2 CSA (hash), 3 HCA. Batch 2 x seq 3 takes the output
+# projection's few-token einsum (`_attention._FEW_TOKENS`), longer ones its per-group matmuls.
 @pytest.mark.parametrize("layer", [0, 2, 3])
 @pytest.mark.parametrize("seq", [3, 13, 37])
 def test_attention_matches_reference(getkey, layer, seq):

@@ -96,6 +96,30 @@ def test_sampling():
     assert (np.asarray(cold)[:, 0] == 2).mean() > 0.99
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 360, 1009, 129280])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_is_the_first_largest_logit(vocab, dtype):
+    # Greedy sampling takes block maxima of an integer key (`_generate._greedy`); numpy's
+    # argmax is the reference: the first largest, NaN counted as largest, -0.0 equal to 0.0.
+    rng = np.random.default_rng(vocab)
+    special = np.array(
+        [0.0, -0.0, 1.0, -1.0, -2.5, np.inf, -np.inf, np.nan, -np.nan, 3e38, -3e38, 1e-45]
+    )
+    rows = [
+        rng.choice(special, vocab),
+        rng.choice(special[special == special], vocab),  # no NaN
+        -rng.random(vocab) - 1.0,  # all negative: the order of negative keys
+        rng.normal(size=vocab).round(1),  # many ties
+        np.zeros(vocab),
+        np.where(np.arange(vocab) % 2, 0.0, -0.0),  # -0.0 first
+    ]
+    logits = jnp.asarray(np.stack(rows), dtype)
+    expected = np.argmax(np.asarray(logits.astype(jnp.float32)), axis=-1)
+    picked = jax.jit(lambda x: ed.sample(x, jax.random.key(0), ed.Sampling()))(logits)
+    assert picked.dtype == jnp.int32
+    np.testing.assert_array_equal(picked, expected)
+
+
 def test_sampled_generation_is_reproducible(pair):
     _, ours = pair
     s = ed.Sampling(temperature=0.8, top_k=20, top_p=0.9)
