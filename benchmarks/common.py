@@ -170,12 +170,42 @@ def machine() -> dict:
 
     return {
         "cpu": platform.processor() or platform.machine(),
+        # Ratios moved with the machine: f32 matmul 177 GFLOP/s on one, 470 with AVX-512 on
+        # another (benchmarks/NOTES.md, Round 9).
+        **_cpu_info(),
         "cores": os.cpu_count(),
         "jax": jax.__version__,
         "jax_devices": [str(d) for d in jax.devices()],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _cpu_info() -> dict:
+    """Model name, vector extensions and caches from /proc/cpuinfo and sysfs (Linux only)."""
+    info = {}
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and "cpu_model" not in info:
+            info["cpu_model"] = value.strip()
+        elif key.strip() == "flags" and "vector_flags" not in info:
+            flags = value.split()
+            info["vector_flags"] = sorted(f for f in flags if f.startswith(("avx", "fma", "amx")))
+    caches = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(caches.glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            info[f"l{level}_cache"] = size
+    return info
 
 
 def write(name: str, rows: list[dict], table: str, extra: dict | None = None) -> None:

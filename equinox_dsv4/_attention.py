@@ -31,7 +31,9 @@ from ._layers import (
     lead,
     linear,
     map_chunks,
+    narrow_on_cpu,
     rms_normalize,
+    set_rows,
 )
 from ._parallel import mesh_axis
 from ._rope import RoPE
@@ -44,7 +46,8 @@ GATHER_MAX_QUERIES = 16
 # at once to `BLOCKS_PER_STEP * window` queries.
 BLOCKS_PER_STEP = 4
 # Up to this many tokens the grouped output projection is one batched einsum over `wo_a`
-# instead of a matmul per group, whose weight slices XLA:CPU copies out of `wo_a` first.
+# instead of a matmul per group, whose weight slices XLA:CPU copies out of `wo_a` first. Not
+# for bf16 on XLA:CPU, which would convert all of `wo_a` to float32 for a one-row product.
 _FEW_TOKENS = 16
 
 
@@ -286,7 +289,7 @@ class Attention(eqx.Module):
         write = (i < count[:, None]) & (i >= count[:, None] - w)
         slot = jnp.where(write, positions % w, w)  # w: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
-        ring = cache.ring.at[rows, slot].set(kv, mode="drop")
+        ring = set_rows(cache.ring, (rows, slot), kv)
 
         compressor_state = indexer_state = None
         compressed = mask = picks = None
@@ -316,7 +319,7 @@ class Attention(eqx.Module):
         g = self.o_groups
         grouped = o.reshape(b, s, g, -1)
         wo_a = self.wo_a.weight.reshape(g, -1, grouped.shape[-1]).astype(o.dtype)
-        if mesh_axis("tensor") > 1 or b * s <= _FEW_TOKENS:
+        if mesh_axis("tensor") > 1 or (b * s <= _FEW_TOKENS and not narrow_on_cpu(o)):
             # Groups split over `tensor` (ShardingRules): one einsum, each device its groups.
             # Decode steps take it too (`_FEW_TOKENS`; benchmarks/NOTES.md, Round 9).
             z = jnp.einsum("bsgi,goi->bsgo", grouped, wo_a)

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import CompressorState
 from ._config import Config
-from ._layers import Linear, RMSNorm
+from ._layers import Linear, RMSNorm, set_rows
 from ._rope import RoPE
 
 
@@ -159,7 +159,7 @@ class AbstractCompressor(eqx.Module):
         n_entries = state.entries.shape[1]
         target = jnp.where(jnp.arange(grid // m)[None] < complete[:, None], blocks, n_entries)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
-        new_entries = state.entries.at[rows, target].set(entries, mode="drop")
+        new_entries = set_rows(state.entries, (rows, target), entries)
 
         # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
         # tokens). complete * m <= open_len + t < m + t <= grid, and both ends are multiples

@@ -117,6 +117,39 @@ def narrow_on_cpu(*arrays: Array) -> bool:
     )
 
 
+# Up to this many rows `set_rows` writes a 16-bit float array on XLA:CPU with one dynamic
+# update each (a decode step's cache writes); more (a prefill chunk's) take the scatter.
+_FEW_WRITES = 16
+
+
+def set_rows(
+    a: Float[Array, "batch length *rest"],
+    index: tuple[Int[Array, "..."], Int[Array, "..."]],
+    values: Float[Array, "..."],
+) -> Float[Array, "batch length *rest"]:
+    """`a.at[index].set(values, mode="drop")` for `index = (rows, cols)` (non-negative): row
+    `cols[w]` of sequence `rows[w]` becomes `values[w]`; a column past the end writes nothing.
+
+    On XLA:CPU a bf16 / f16 array's scatter runs in float32, converting the whole array there
+    and back: a decode step's cache writes read and wrote each compressed cache twice (at a 64k
+    context, 28 of the bf16 step's 34 MiB of temporaries, benchmarks/NOTES.md, Round 9). A few
+    writes are made there as dynamic updates instead, in place.
+    """
+    values = values.astype(a.dtype)
+    rows, cols = index
+    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES:
+        return a.at[rows, cols].set(values, mode="drop")
+    rest = a.shape[2:]
+    values = values.reshape(-1, 1, 1, *rest)
+    zeros = (0,) * len(rest)
+    for r, c, v in zip(rows.reshape(-1), cols.reshape(-1), values, strict=True):
+        inside = c < a.shape[1]
+        c = jnp.minimum(c, a.shape[1] - 1)
+        old = jax.lax.dynamic_slice(a, (r, c, *zeros), (1, 1, *rest))
+        a = jax.lax.dynamic_update_slice(a, jnp.where(inside, v, old), (r, c, *zeros))
+    return a
+
+
 def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32.
 

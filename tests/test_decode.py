@@ -162,3 +162,44 @@ def test_last_only_logits(setups):
 @eqx.filter_jit
 def decode_last(model, ids, cache, num_tokens):
     return model.decode(ids, cache, num_tokens, last_only=True)
+
+
+def _decode_step_temporaries(model, max_len: int) -> int:
+    """Temporaries of the one-token decode step with the cache donated, as `generate` runs it."""
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, max_len), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    step = jax.jit(lambda m, i, c: m.decode(i, c), donate_argnums=2).lower(model, ids, cache)
+    return step.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_bf16_cache_writes_do_not_convert_the_cache():
+    # XLA:CPU ran a bf16 scatter in float32, converting each compressed cache there and back
+    # every step: 825 KiB of temporaries here against 165 for float32. `set_rows` writes a
+    # step's few rows in place: 207 KiB (benchmarks/NOTES.md, Round 9). Unrolled layers: the
+    # small config of the benchmarks has no layer scan.
+    config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
+    f32 = _decode_step_temporaries(abstract(ed.DeepseekV4, config), 4096)
+    bf16 = _decode_step_temporaries(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 4096)
+    assert bf16 < 2 * f32, (bf16, f32)
+
+
+def test_bf16_decode_equals_the_scatter_writes(monkeypatch):
+    # The same bf16 decode with every cache write a scatter (`_FEW_WRITES` below any count):
+    # bit for bit the same caches and logits.
+    config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
+    model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), seed=3)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (1, 24)), jnp.int32)
+
+    def run():  # one token a step, so that every write is a decode step's
+        step = eqx.filter_jit(lambda m, i, c: m.decode(i, c))
+        cache, out = model.init_cache(1, 32), []
+        for t in range(ids.shape[1]):
+            logits, cache = step(model, ids[:, t : t + 1], cache)
+            out.append(logits)
+        return out, cache
+
+    ours = run()
+    monkeypatch.setattr(ed._layers, "_FEW_WRITES", -1)
+    scattered = run()
+    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(scattered), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

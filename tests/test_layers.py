@@ -11,7 +11,7 @@ from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._layers import linear, map_chunks, rms_normalize, zeros_after
+from equinox_dsv4._layers import linear, map_chunks, rms_normalize, set_rows, zeros_after
 from equinox_dsv4._rope import inverse_frequencies
 
 
@@ -165,3 +165,37 @@ def test_zeros_after_is_positive_zero(first):
         assert z.shape == (3, 4) and z.dtype == dtype
         assert (np.asarray(z, np.float32) == 0).all()
         assert not np.signbit(np.asarray(z, np.float32)).any()
+
+
+# 1 x 1 and 2 x 3 writes take the dynamic updates for bf16 on XLA:CPU, 4 x 8 the scatter.
+@pytest.mark.parametrize("writes", [(1, 1), (2, 3), (4, 8)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype):
+    b, length = 4, 10
+    a = jax.random.normal(getkey(), (b, length, 3, 2)).astype(dtype)
+    values = jax.random.normal(getkey(), (*writes, 3, 2)).astype(dtype)
+    rng = np.random.default_rng(writes[1])
+    # Distinct (row, column) pairs; column `length` (past the end) writes nothing.
+    pairs = rng.permutation(b * (length + 1))[: math.prod(writes)]
+    rows, cols = (pairs // (length + 1)).reshape(writes), (pairs % (length + 1)).reshape(writes)
+    cols[0, 0] = length
+    expected = np.asarray(a.astype(jnp.float32)).copy()
+    flat = np.asarray(values.astype(jnp.float32)).reshape(-1, 3, 2)
+    for r, c, v in zip(rows.flat, cols.flat, flat, strict=True):
+        if c < length:
+            expected[r, c] = v
+    index = (jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
+    out = jax.jit(set_rows)(a, index, values)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.astype(jnp.float32), expected)
+
+    # The derivative is the scatter's: the written rows' cotangent goes to `values`.
+    weights = jax.random.normal(getkey(), a.shape)
+
+    def loss(write):
+        return lambda a, v: jnp.sum(write(a, v).astype(jnp.float32) * weights)
+
+    ours = jax.grad(loss(lambda a, v: set_rows(a, index, v)), argnums=(0, 1))(a, values)
+    scatter = jax.grad(loss(lambda a, v: a.at[index].set(v, mode="drop")), argnums=(0, 1))
+    for got, want in zip(ours, scatter(a, values), strict=True):
+        np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
