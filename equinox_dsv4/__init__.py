@@ -31,6 +31,7 @@ from ._config import (
     Config as Config,
     YarnScaling as YarnScaling,
 )
+from ._experts import Experts as Experts
 from ._generate import (
     Sampling as Sampling,
     decode_step as decode_step,
@@ -48,7 +49,6 @@ from ._model import (
     MTPBlock as MTPBlock,
 )
 from ._moe import (
-    Experts as Experts,
     Gate as Gate,
     MoE as MoE,
     RouterStats as RouterStats,

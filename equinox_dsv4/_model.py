@@ -13,9 +13,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._block import Block
 from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
+from ._experts import in_layer_stack
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm, narrow_on_cpu, zeros_after
-from ._moe import RouterStats, in_layer_stack
+from ._moe import RouterStats
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
 

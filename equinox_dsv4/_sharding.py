@@ -9,8 +9,9 @@ may appear at most once in a spec.
 Meshes have up to four axes: `data` and `fsdp` split the batch (`fsdp` also splits the weights'
 `embed` dims, gathered layer by layer), `tensor` splits heads, the grouped output projection,
 the vocabulary and hidden MLP units, `expert` splits the routed experts (see
-`_moe.expert_parallel`). Run a sharded model under `with jax.set_mesh(mesh):` so that the forward
-pass sees the mesh: activations are constrained to the batch axes at every block boundary.
+`_experts.expert_parallel`). Run a sharded model under `with jax.set_mesh(mesh):` so that the
+forward pass sees the mesh: activations are constrained to the batch axes at every block
+boundary.
 """
 
 import dataclasses
