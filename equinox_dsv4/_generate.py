@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import KVCache
 from ._model import DeepseekV4
+from ._parallel import mesh_axis
 from ._sharding import shard_cache
 
 
@@ -59,6 +60,15 @@ def _greedy(logits: Float[Array, "batch vocab"]) -> Int[Array, " batch"]:
     return (best * c + jnp.argmax(row, axis=-1)).astype(jnp.int32)
 
 
+def _blocked_argmax_pays(logits: Array) -> bool:
+    # XLA:CPU's argmax is the slow one; elsewhere, and with the vocabulary split over `tensor`
+    # (whose blocks would need the logits gathered) or float64 logits (which the int32 key
+    # cannot order), plain argmax.
+    return (
+        jax.default_backend() == "cpu" and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4
+    )
+
+
 def _order_key(x: Float[Array, "*shape"]) -> Int[Array, "*shape"]:
     """An `int32` per float with `argmax`'s order: the float order, `-0.0 == 0.0`, NaN above
     `inf`."""
@@ -74,7 +84,9 @@ def sample(
 ) -> Int[Array, " batch"]:
     """One token per row (see `Sampling`)."""
     if sampling.temperature == 0:
-        return _greedy(logits)
+        if _blocked_argmax_pays(logits):
+            return _greedy(logits)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / sampling.temperature
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]

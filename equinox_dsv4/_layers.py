@@ -15,6 +15,8 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._parallel import batch_axes
+
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
 # checkpoint; this only gives tiny random models sensible activations.
@@ -127,24 +129,26 @@ def set_rows(
     index: tuple[Int[Array, "..."], Int[Array, "..."]],
     values: Float[Array, "..."],
 ) -> Float[Array, "batch length *rest"]:
-    """`a.at[index].set(values, mode="drop")` for `index = (rows, cols)` (non-negative): row
-    `cols[w]` of sequence `rows[w]` becomes `values[w]`; a column past the end writes nothing.
+    """`a.at[index].set(values, mode="drop")` for `index = (rows, cols)`, both non-negative: row
+    `cols[w]` of sequence `rows[w]` becomes `values[w]`; an index past the end writes nothing.
 
     On XLA:CPU a bf16 / f16 array's scatter runs in float32, converting the whole array there
     and back: a decode step's cache writes read and wrote each compressed cache twice (at a 64k
     context, 28 of the bf16 step's 34 MiB of temporaries, benchmarks/NOTES.md, Round 9). A few
-    writes are made there as dynamic updates instead, in place.
+    writes are made there as dynamic updates instead, in place (not with the batch split over
+    devices, where an update at a traced row could gather the array).
     """
     values = values.astype(a.dtype)
     rows, cols = index
-    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES:
+    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES or batch_axes(a.shape[0]):
         return a.at[rows, cols].set(values, mode="drop")
     rest = a.shape[2:]
     values = values.reshape(-1, 1, 1, *rest)
     zeros = (0,) * len(rest)
     for r, c, v in zip(rows.reshape(-1), cols.reshape(-1), values, strict=True):
-        inside = c < a.shape[1]
-        c = jnp.minimum(c, a.shape[1] - 1)
+        inside = (r < a.shape[0]) & (c < a.shape[1])
+        # Clamped like the update's own start; outside, the update writes back what is there.
+        r, c = jnp.minimum(r, a.shape[0] - 1), jnp.minimum(c, a.shape[1] - 1)
         old = jax.lax.dynamic_slice(a, (r, c, *zeros), (1, 1, *rest))
         a = jax.lax.dynamic_update_slice(a, jnp.where(inside, v, old), (r, c, *zeros))
     return a

@@ -175,14 +175,19 @@ def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype):
     a = jax.random.normal(getkey(), (b, length, 3, 2)).astype(dtype)
     values = jax.random.normal(getkey(), (*writes, 3, 2)).astype(dtype)
     rng = np.random.default_rng(writes[1])
-    # Distinct (row, column) pairs; column `length` (past the end) writes nothing.
-    pairs = rng.permutation(b * (length + 1))[: math.prod(writes)]
-    rows, cols = (pairs // (length + 1)).reshape(writes), (pairs % (length + 1)).reshape(writes)
-    cols[0, 0] = length
+    # Distinct (row, column) pairs; a row or column past the end writes nothing. With three or
+    # more writes: the last column first, a row past the end, then a dropped write to the first
+    # row, which the dynamic updates clamp onto that column (it must read back the new value).
+    n = math.prod(writes)
+    pairs = [(r, c) for r in range(b + 1) for c in range(length + 1) if (r, c) != (0, length - 1)]
+    pairs = [pairs[i] for i in rng.permutation(len(pairs))[:n]]
+    if n >= 3:
+        pairs[0], pairs[1], pairs[-1] = (0, length - 1), (b, 0), (0, length)
+    rows, cols = (np.array([p[i] for p in pairs]).reshape(writes) for i in (0, 1))
     expected = np.asarray(a.astype(jnp.float32)).copy()
     flat = np.asarray(values.astype(jnp.float32)).reshape(-1, 3, 2)
     for r, c, v in zip(rows.flat, cols.flat, flat, strict=True):
-        if c < length:
+        if r < b and c < length:
             expected[r, c] = v
     index = (jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
     out = jax.jit(set_rows)(a, index, values)
