@@ -296,7 +296,7 @@ class Attention(eqx.Module):
         if self.compressor is not None:
             assert cache.compressor is not None
             compressor_state = self.compressor.step(x, start, count, cache.compressor)
-            compressed = compressor_state.entries
+            compressed = compressor_state.layer_entries
             if self.indexer is not None:
                 assert cache.indexer is not None
                 picks, indexer_state = self.indexer.step(x, qr, start, count, cache.indexer)

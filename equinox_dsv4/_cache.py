@@ -12,27 +12,57 @@ Per layer (`LayerCache`):
 period position with a leading `repeats` axis, so the cache scans with the weights; plus the
 number of tokens each sequence has in the cache. Nothing here is a Python-level branch on
 values: every shape is fixed by `(batch, max_len)`, so decoding never recompiles.
+
+A decode step through a stack keeps the compressed entries, the arrays that grow with the
+context, as whole stacks and writes each layer's new ones into them in place (`LayerCache.split`
+/ `join`, `CompressorState.layer`); the fixed-size rest of each layer's state is sliced out
+and stacked anew, as the layer's weights are. Sliced out and stacked anew too, the entries were
+copied every token (43 layers at a 64k context: 285 MiB of temporaries per step against a 263
+MiB cache; benchmarks/NOTES.md, items 31 and 32).
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ._config import CSA, HCA, SLIDING, Config
+from ._layers import set_rows
 
 
 class CompressorState(eqx.Module):
     """A compressor's running state. `kv` / `gate` rows `0 .. pos % ratio - 1` are the open
     block's tokens (float32, the gate with its slot bias); `prev_*` (CSA only) the `Ca` half of
-    the last complete block; `entries` the emitted compressed entries, `pos // ratio` of them."""
+    the last complete block; `entries` the emitted compressed entries, `pos // ratio` of them.
+
+    In a view of a stacked cache (`LayerCache.view`), `entries` is the whole stack's, `[layers,
+    batch, blocks, head_dim]`, and `layer` the index of this state's layer in it; read the
+    layer's entries with `layer_entries`, write them with `write_entries`."""
 
     kv: Float[Array, "batch ratio width"]
     gate: Float[Array, "batch ratio width"]
     prev_kv: Float[Array, "batch ratio head_dim"] | None
     prev_gate: Float[Array, "batch ratio head_dim"] | None
-    entries: Float[Array, "batch blocks head_dim"]
+    entries: Float[Array, "*layers batch blocks head_dim"]
+    layer: Int[Array, ""] | None = None
+
+    @property
+    def layer_entries(self) -> Float[Array, "batch blocks head_dim"]:
+        """This layer's entries."""
+        if self.layer is None:
+            return self.entries
+        return _index(self.entries, self.layer)
+
+    def write_entries(
+        self,
+        index: tuple[Int[Array, "..."], Int[Array, "..."]],
+        values: Float[Array, "... head_dim"],
+    ) -> Float[Array, "*layers batch blocks head_dim"]:
+        """`entries` with this layer's entries `index = (sequences, blocks)` set to `values`
+        (see `set_rows`: an index past the end writes nothing)."""
+        return set_rows(self.entries, index, values, layer=self.layer)
 
     @classmethod
     def empty(
@@ -64,6 +94,52 @@ class LayerCache(eqx.Module):
     ring: Float[Array, "batch window head_dim"]
     compressor: CompressorState | None
     indexer: CompressorState | None
+
+    def split(self) -> tuple[tuple[Array | None, Array | None], "LayerCache"]:
+        """`((compressor entries, indexer entries), rest)`: the arrays that grow with the
+        context (`None` where there is no compressor or indexer), and this cache without them
+        (their places `None`, as is a view's `layer`). `join` puts them back."""
+
+        def cut(s: CompressorState | None) -> CompressorState | None:
+            if s is None:
+                return None
+            return eqx.tree_at(_entries_and_layer, s, (None, None), is_leaf=_none)
+
+        entries = tuple(None if s is None else s.entries for s in (self.compressor, self.indexer))
+        return entries, self._with_states(cut(self.compressor), cut(self.indexer))
+
+    def join(
+        self, entries: tuple[Array | None, Array | None], layer: Int[Array, ""] | None = None
+    ) -> "LayerCache":
+        """The inverse of `split`: this cache (`split`'s rest) with `entries`. With `layer`, the
+        entries are a stack's, `[layers, ...]`, and the result is a view of layer `layer` of it
+        (see `CompressorState`), which writes its new entries into the stack."""
+
+        def put(s: CompressorState | None, e: Array | None) -> CompressorState | None:
+            if s is None:
+                return None
+            return eqx.tree_at(_entries_and_layer, s, (e, layer), is_leaf=_none)
+
+        return self._with_states(put(self.compressor, entries[0]), put(self.indexer, entries[1]))
+
+    def _with_states(self, compressor, indexer) -> "LayerCache":
+        # By tree surgery, not the constructor: a stacked cache's leaves have a `layers` axis
+        # that the annotations (one layer's) do not.
+        return eqx.tree_at(
+            lambda c: (c.compressor, c.indexer), self, (compressor, indexer), is_leaf=_none
+        )
+
+
+def _entries_and_layer(s: CompressorState) -> tuple:
+    return s.entries, s.layer
+
+
+def _none(x) -> bool:
+    return x is None
+
+
+def _index(a: Array, i: Array) -> Array:
+    return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
 
 
 class KVCache(eqx.Module):

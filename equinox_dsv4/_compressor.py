@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import CompressorState
 from ._config import Config
-from ._layers import Linear, RMSNorm, set_rows
+from ._layers import Linear, RMSNorm
 from ._rope import RoPE
 
 
@@ -156,10 +156,10 @@ class AbstractCompressor(eqx.Module):
         pooled = pool(slots_kv, slots_gate)
         blocks = first_block[:, None] + jnp.arange(grid // m, dtype=jnp.int32)[None]
         entries = self.finish(pooled, blocks * m, state.entries.dtype)
-        n_entries = state.entries.shape[1]
+        n_entries = state.entries.shape[-2]
         target = jnp.where(jnp.arange(grid // m)[None] < complete[:, None], blocks, n_entries)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
-        new_entries = set_rows(state.entries, (rows, target), entries)
+        new_entries = state.write_entries((rows, target), entries)
 
         # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
         # tokens). complete * m <= open_len + t < m + t <= grid, and both ends are multiples
@@ -174,7 +174,7 @@ class AbstractCompressor(eqx.Module):
             closed = (complete > 0)[:, None, None]
             prev_kv = jnp.where(closed, _window(grid_kv, last, 1)[:, 0, :, :d], prev_kv)
             prev_gate = jnp.where(closed, _window(grid_gate, last, 1)[:, 0, :, :d], prev_gate)
-        return CompressorState(new_kv, new_gate, prev_kv, prev_gate, new_entries)
+        return CompressorState(new_kv, new_gate, prev_kv, prev_gate, new_entries, state.layer)
 
     def finish(
         self,

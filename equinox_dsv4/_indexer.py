@@ -130,7 +130,7 @@ class LightningIndexer(eqx.Module):
         each of its queries. **Returns:** `(picks, state)`."""
         state = self.compressor.step(x, start, count, state)
         positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-        return self.select(x, qr, state.entries, positions), state
+        return self.select(x, qr, state.layer_entries, positions), state
 
     def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
         return self.compressor.empty_state(batch, max_len, dtype)

@@ -125,12 +125,16 @@ _FEW_WRITES = 16
 
 
 def set_rows(
-    a: Float[Array, "batch length *rest"],
+    a: Float[Array, "..."],
     index: tuple[Int[Array, "..."], Int[Array, "..."]],
     values: Float[Array, "..."],
-) -> Float[Array, "batch length *rest"]:
+    *,
+    layer: Int[Array, ""] | None = None,
+) -> Float[Array, "..."]:
     """`a.at[index].set(values, mode="drop")` for `index = (rows, cols)`, both non-negative: row
     `cols[w]` of sequence `rows[w]` becomes `values[w]`; an index past the end writes nothing.
+    With `layer`, `a` is a stack of such arrays (a scanned layer stack's cache, `[layers, batch,
+    length, ...]`) and the rows are written into its layer `layer`, in place.
 
     On XLA:CPU a bf16 / f16 array's scatter runs in float32, converting the whole array there
     and back: a decode step's cache writes read and wrote each compressed cache twice (at a 64k
@@ -140,17 +144,24 @@ def set_rows(
     """
     values = values.astype(a.dtype)
     rows, cols = index
-    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES or batch_axes(a.shape[0]):
-        return a.at[rows, cols].set(values, mode="drop")
-    rest = a.shape[2:]
-    values = values.reshape(-1, 1, 1, *rest)
-    zeros = (0,) * len(rest)
+    lead = () if layer is None else (layer,)
+    batch, length = a.shape[len(lead) : len(lead) + 2]
+    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES or batch_axes(batch):
+        return a.at[(*lead, rows, cols)].set(values, mode="drop")
+    zeros = (0,) * (a.ndim - len(lead) - 2)
+    values = values.reshape(-1, *(1,) * (len(lead) + 2), *a.shape[len(lead) + 2 :])
+
+    def write(a, v, r, c):
+        return jax.lax.dynamic_update_slice(a, v, (*lead, r, c, *zeros))
+
+    def keep(a, v, r, c):
+        return a
+
     for r, c, v in zip(rows.reshape(-1), cols.reshape(-1), values, strict=True):
-        inside = (r < a.shape[0]) & (c < a.shape[1])
-        # Clamped like the update's own start; outside, the update writes back what is there.
-        r, c = jnp.minimum(r, a.shape[0] - 1), jnp.minimum(c, a.shape[1] - 1)
-        old = jax.lax.dynamic_slice(a, (r, c, *zeros), (1, 1, *rest))
-        a = jax.lax.dynamic_update_slice(a, jnp.where(inside, v, old), (r, c, *zeros))
+        # A conditional write: writing back the old row instead (a select of the update
+        # against a dynamic slice of `a`) XLA:CPU computed in float32, and inside a loop
+        # (a scanned stack's cache) it then updated a copy of the whole array.
+        a = jax.lax.cond((r < batch) & (c < length), write, keep, a, v, r, c)
     return a
 
 

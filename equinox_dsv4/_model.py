@@ -52,14 +52,18 @@ def _loop_widens(stacks) -> bool:
     return narrow_on_cpu(*jax.tree.leaves(stacks))
 
 
-def _layer_after(r: int, stacks, after: Array):
-    # Layer r's slices of `stacks` (copies), taken once `after` exists: with static slices
-    # XLA:CPU's scheduler took every layer's at the start of the program (the small config's
-    # 43-layer prefill: 2.3 GiB of temporaries, the stacked weights once more;
-    # benchmarks/NOTES.md, item 21). The index is computed from `after` (a NaN there, in one
-    # sequence, must not pick another layer for the others).
+def _index_after(r: int, after: Array) -> Array:
+    # `r`, as a value computed from `after`: with static slices XLA:CPU's scheduler took every
+    # layer's at the start of the program (the small config's 43-layer prefill: 2.3 GiB of
+    # temporaries, the stacked weights once more; benchmarks/NOTES.md, item 21). A NaN in
+    # `after`, in one sequence, must not pick another layer for the others.
     zero = zeros_after((), jnp.float32, after)
-    i = r + jnp.where(jnp.isnan(zero), 0.0, zero).astype(jnp.int32)
+    return r + jnp.where(jnp.isnan(zero), 0.0, zero).astype(jnp.int32)
+
+
+def _layer_after(r: int, stacks, after: Array):
+    # Layer r's slices of `stacks` (copies), taken once `after` exists (`_index_after`).
+    i = _index_after(r, after)
 
     def take(a):
         if not jnp.issubdtype(a.dtype, jnp.inexact):
@@ -128,12 +132,18 @@ class LayerStack(eqx.Module):
         *,
         scan: bool = True,
         remat: str | None = None,
+        in_place: bool = False,
     ) -> tuple[
         Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...], tuple[RouterStats, ...]
     ]:
         """Applies the `repeats x period` layers in order to a chunk (see `Block.step`);
         `scan=False` unrolls the same stacked weights into a Python loop (more to compile, same
         numbers); `remat` names a rematerialisation policy (`REMAT_POLICIES`) for each period.
+        `in_place=True` (what `decode` uses) keeps the compressed entries as whole stacks,
+        each layer writing its new ones into them (`LayerCache.split` / `join`), so that a
+        donated cache is updated in place; otherwise (`forward`, where with `remat` a period's
+        saved inputs would hold the whole stacked entries) they are sliced out and stacked anew
+        with the rest of each layer's cache.
 
         **Returns:** `(streams, caches, stats)`, caches and stats stacked along `repeats`."""
 
@@ -154,7 +164,38 @@ class LayerStack(eqx.Module):
             return x, (tuple(new), tuple(stats))
 
         period = _remat(period, remat)
-        if scan and _loop_widens(self.blocks):
+        widen = scan and _loop_widens(self.blocks)
+        if in_place:
+            # The entries ride in the carry; the fixed-size rest of each layer's cache is
+            # scanned over and stacked anew like the weights (carried and written back as well,
+            # it made the 43-layer decode step 10% slower at a 1k context).
+            entries, rest = _split(caches)
+            if scan:
+
+                def body(carry, xs):
+                    x, stacks, entries = carry
+                    r, blocks, rest = xs
+                    if widen:  # see below
+                        stacks, entries = jax.lax.optimization_barrier((stacks, entries))
+                        blocks = jax.tree.map(lambda a: a[r], stacks)
+                    x, (new, stats) = period(x, (blocks, _join(rest, entries, r)))
+                    entries, rest = _split(new)
+                    return (x, stacks, entries), (rest, stats)
+
+                stacks, blocks = (self.blocks, None) if widen else (None, self.blocks)
+                xs = (jnp.arange(self.repeats), blocks, rest)
+                (x, _, entries), (rest, stats) = jax.lax.scan(body, (x, stacks, entries), xs)
+                return x, _join(rest, entries), stats
+            outs = []
+            for r in range(self.repeats):
+                blocks, layer_rest = _layer_after(r, (self.blocks, rest), x)
+                layer = _join(layer_rest, entries, _index_after(r, x))
+                x, (new, s) = period(x, (blocks, layer))
+                entries, new_rest = _split(new)
+                outs.append((new_rest, s))
+            rest, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            return x, _join(rest, entries), stats
+        if widen:
             # The stacks ride in the carry, through a barrier, so that XLA sees them change and
             # cannot hoist their conversion out of the loop; each layer's slice is taken inside.
             def carried(carry, r):
@@ -177,6 +218,16 @@ class LayerStack(eqx.Module):
             outs.append(out)
         new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return x, new, stats
+
+
+def _split(caches: tuple[LayerCache, ...]):
+    # `LayerCache.split` of each period position: (entries, rests).
+    pairs = [c.split() for c in caches]
+    return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+
+
+def _join(rests, entries, layer: Array | None = None) -> tuple[LayerCache, ...]:
+    return tuple(c.join(e, layer) for c, e in zip(rests, entries, strict=True))
 
 
 class MTPBlock(eqx.Module):
@@ -380,7 +431,7 @@ class DeepseekV4(eqx.Module):
         _check_ids(input_ids)
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
-        x, cache, _ = self._forward(input_ids, cache, count)
+        x, cache, _ = self._forward(input_ids, cache, count, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
             x = jnp.take_along_axis(x, last, axis=1)
@@ -393,6 +444,7 @@ class DeepseekV4(eqx.Module):
         count: Int[Array, " batch"],
         *,
         remat: str | None = None,
+        in_place: bool = False,
     ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache, Stats]:
         bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1])
         # Checked on a scalar, so that the check does not pull the (sharded) positions through
@@ -417,6 +469,7 @@ class DeepseekV4(eqx.Module):
                     layer_cache,
                     scan=self.config.scan_layers,
                     remat=remat,
+                    in_place=in_place,
                 )
             else:
                 x, layer_cache, s = _remat(type(layer).step, remat)(

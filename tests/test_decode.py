@@ -203,3 +203,31 @@ def test_bf16_decode_equals_the_scatter_writes(monkeypatch):
     scattered = run()
     for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(scattered), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_cache_is_updated_in_place(dtype, scan):
+    # A decode step through a layer stack (scanned or unrolled) wrote a new copy of the whole
+    # stack's cache every token: sliced out per layer, then stacked anew (the small config at
+    # 43 layers and a 64k context: 285 MiB of temporaries against a 263 MiB cache). In bf16, a
+    # write that wrote the old row back for a dropped index also copied the stack. Here the
+    # cache grows by 720 KiB (float32) / 360 KiB (bf16) from 256 to 4096 tokens; the
+    # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 81 and
+    # 30 / 80 (bf16: the indexer's keys, converted to float32 for their product; NOTES item 32).
+    config = tiny_config(
+        layer_types=(C, H) * 3,
+        num_hash_layers=0,
+        scan_min_repeats=2,
+        scan_layers=scan,
+        num_nextn_predict_layers=0,
+    )
+    model = abstract(ed.DeepseekV4, config, dtype=dtype)
+    assert [type(layer) for layer in model.layers] == [ed.LayerStack]
+
+    def cache_bytes(max_len):
+        cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, max_len), model)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+    grown = _decode_step_temporaries(model, 4096) - _decode_step_temporaries(model, 256)
+    assert grown < (cache_bytes(4096) - cache_bytes(256)) / 3, grown

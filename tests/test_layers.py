@@ -1,6 +1,7 @@
 """RMSNorm, RoPE (default and YaRN frequencies, interleaved rotation on the trailing dims) against
 transformers and hand-computed values."""
 
+import functools
 import math
 
 import jax
@@ -167,17 +168,20 @@ def test_zeros_after_is_positive_zero(first):
         assert not np.signbit(np.asarray(z, np.float32)).any()
 
 
-# 1 x 1 and 2 x 3 writes take the dynamic updates for bf16 on XLA:CPU, 4 x 8 the scatter.
+# 1 x 1 and 2 x 3 writes take the conditional updates for bf16 on XLA:CPU, 4 x 8 the scatter;
+# `layered`: into layer 1 of a stack of three (a scanned stack's cache).
+@pytest.mark.parametrize("layered", [False, True])
 @pytest.mark.parametrize("writes", [(1, 1), (2, 3), (4, 8)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype):
+def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype, layered):
     b, length = 4, 10
-    a = jax.random.normal(getkey(), (b, length, 3, 2)).astype(dtype)
+    lead = (3,) if layered else ()
+    a = jax.random.normal(getkey(), (*lead, b, length, 3, 2)).astype(dtype)
     values = jax.random.normal(getkey(), (*writes, 3, 2)).astype(dtype)
     rng = np.random.default_rng(writes[1])
     # Distinct (row, column) pairs; a row or column past the end writes nothing. With three or
     # more writes: the last column first, a row past the end, then a dropped write to the first
-    # row, which the dynamic updates clamp onto that column (it must read back the new value).
+    # row, which an update clamped onto the last column would overwrite.
     n = math.prod(writes)
     pairs = [(r, c) for r in range(b + 1) for c in range(length + 1) if (r, c) != (0, length - 1)]
     pairs = [pairs[i] for i in rng.permutation(len(pairs))[:n]]
@@ -185,22 +189,27 @@ def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype):
         pairs[0], pairs[1], pairs[-1] = (0, length - 1), (b, 0), (0, length)
     rows, cols = (np.array([p[i] for p in pairs]).reshape(writes) for i in (0, 1))
     expected = np.asarray(a.astype(jnp.float32)).copy()
+    target = expected[1] if layered else expected
     flat = np.asarray(values.astype(jnp.float32)).reshape(-1, 3, 2)
     for r, c, v in zip(rows.flat, cols.flat, flat, strict=True):
         if r < b and c < length:
-            expected[r, c] = v
+            target[r, c] = v
     index = (jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
-    out = jax.jit(set_rows)(a, index, values)
+    layer = jnp.asarray(1, jnp.int32) if layered else None
+    out = jax.jit(functools.partial(set_rows, layer=layer))(a, index, values)
     assert out.dtype == dtype
     np.testing.assert_array_equal(out.astype(jnp.float32), expected)
 
     # The derivative is the scatter's: the written rows' cotangent goes to `values`.
     weights = jax.random.normal(getkey(), a.shape)
+    full_index = (1, *index) if layered else index
 
     def loss(write):
         return lambda a, v: jnp.sum(write(a, v).astype(jnp.float32) * weights)
 
-    ours = jax.grad(loss(lambda a, v: set_rows(a, index, v)), argnums=(0, 1))(a, values)
-    scatter = jax.grad(loss(lambda a, v: a.at[index].set(v, mode="drop")), argnums=(0, 1))
+    ours = jax.grad(loss(lambda a, v: set_rows(a, index, v, layer=layer)), argnums=(0, 1))(
+        a, values
+    )
+    scatter = jax.grad(loss(lambda a, v: a.at[full_index].set(v, mode="drop")), argnums=(0, 1))
     for got, want in zip(ours, scatter(a, values), strict=True):
         np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
