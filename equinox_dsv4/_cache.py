@@ -37,9 +37,9 @@ class CompressorState(eqx.Module):
     block's tokens (float32, the gate with its slot bias); `prev_*` (CSA only) the `Ca` half of
     the last complete block; `entries` the emitted compressed entries, `pos // ratio` of them.
 
-    In a view of a stacked cache (`LayerCache.view`), `entries` is the whole stack's, `[layers,
-    batch, blocks, head_dim]`, and `layer` the index of this state's layer in it; read the
-    layer's entries with `layer_entries`, write them with `write_entries`."""
+    In a view of a stacked cache (`LayerCache.join` with a layer), `entries` is the whole
+    stack's, `[layers, batch, blocks, head_dim]`, and `layer` the index of this state's layer
+    in it; read the layer's entries with `layer_entries`, write them with `write_entries`."""
 
     kv: Float[Array, "batch ratio width"]
     gate: Float[Array, "batch ratio width"]
