@@ -18,12 +18,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import CompressorState
 from ._compressor import CSACompressor
 from ._config import Config
-from ._layers import Linear, einsum_f32, map_chunks
+from ._layers import Linear, einsum_f32, map_chunks, wider_dtype
 from ._rope import RoPE
 
 
 # Queries scored per step of a long chunk (bounds the [queries, heads, keys] scores).
 QUERIES_PER_STEP = 512
+# Up to this many queries per sequence (decoding) the keys are the score product's rows.
+_FEW_QUERIES = 8
 
 
 def visible_blocks(positions: Int[Array, "*batch"], ratio: int) -> Int[Array, "*batch"]:
@@ -74,9 +76,21 @@ class LightningIndexer(eqx.Module):
         b, s, _ = x.shape
         q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
         q = self.rope(q, positions)
-        logits = einsum_f32("bshk,bnk->bshn", q, keys)
         scale = (self.head_dim * self.n_heads) ** -0.5
         w = self.weights_proj(x, dtype=jnp.float32) * scale
+        if s <= _FEW_QUERIES:
+            # The keys as the rows of the product, read as stored. As its columns (the form
+            # below) XLA:CPU copied all of them transposed first, on every decoded token:
+            # float32 1.9x slower at 4k keys, 3.3x at 16k (benchmarks/NOTES.md, item 33). This
+            # layout has XLA:CPU's bf16 product with a float32 result: bf16 keys stay bf16.
+            c = wider_dtype(q, keys)
+            logits = jnp.einsum(
+                "bnk,bshk->bnsh", keys.astype(c), q.astype(c), preferred_element_type=jnp.float32
+            )
+            return jnp.einsum("bnsh,bsh->bsn", jax.nn.relu(logits), w)
+        # Many queries (a prefill chunk): the keys as the product's columns; as its rows it
+        # was 1.1-1.3x slower from 16 queries on.
+        logits = einsum_f32("bshk,bnk->bshn", q, keys)
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
 
     def select(

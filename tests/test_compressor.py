@@ -132,3 +132,43 @@ def test_indexer_matches_reference(getkey, seq):
     # Sentinels exactly where a query sees fewer than k blocks.
     visible = (np.arange(seq) + 1) // 4
     np.testing.assert_array_equal((np.asarray(picked) < 0).sum(-1)[0], np.maximum(k - visible, 0))
+
+
+@pytest.mark.parametrize("queries", [1, 2, 8])
+def test_indexer_scores_of_a_few_queries(getkey, queries):
+    # Up to `_FEW_QUERIES` queries (decoding) the scores are computed in another layout: the
+    # last queries of a sequence against all its keys, as the reference scores them.
+    config = tiny_config()
+    seq = 37
+    reference, ours = _indexer_pair(getkey, config, seed=queries)
+    x, qr, positions = _inputs(getkey(), config, 2, seq)
+    assert queries <= ed._indexer._FEW_QUERIES
+    captured = []
+    scorer = reference.scorer.forward
+    reference.scorer.forward = lambda *a: captured.append(scorer(*a)) or captured[-1]
+    reference(to_torch(x), to_torch(qr), positions, None, 2)
+    keys = ours.compressor(x)
+    last = slice(seq - queries, seq)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))[:, last]
+    scores = eqx.filter_jit(ours.scores)(x[:, last], qr[:, last], keys, pos)
+    np.testing.assert_allclose(scores, to_numpy(captured[0])[:, last], **TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_indexer_decode_scores_read_the_keys_as_stored(dtype):
+    # A decoded token's scores against all the keys: with the keys as the product's columns
+    # XLA:CPU copied them transposed (bf16: converted to float32) on every token, float32 1.9x
+    # slower at 4k keys and 3.3x at 16k (benchmarks/NOTES.md, item 33). The temporaries must
+    # stay below the keys' own size: here 1 MiB of float32 keys, 128 KiB of scores.
+    config = tiny_config(index_n_heads=8, index_head_dim=64)
+    indexer = abstract(ed.LightningIndexer, config, dtype=dtype)
+    blocks = 4096
+
+    def spec(*shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt)
+
+    args = (spec(1, 1, config.hidden_size), spec(1, 1, config.q_lora_rank))
+    args += (spec(1, blocks, config.index_head_dim), spec(1, 1, dt=jnp.int32))
+    step = jax.jit(lambda m, *a: m.scores(*a)).lower(indexer, *args).compile()
+    keys = blocks * config.index_head_dim * jnp.dtype(dtype).itemsize
+    assert step.memory_analysis().temp_size_in_bytes < keys / 2

@@ -213,8 +213,9 @@ def test_stacked_cache_is_updated_in_place(dtype, scan):
     # 43 layers and a 64k context: 285 MiB of temporaries against a 263 MiB cache). In bf16, a
     # write that wrote the old row back for a dropped index also copied the stack. Here the
     # cache grows by 720 KiB (float32) / 360 KiB (bf16) from 256 to 4096 tokens; the
-    # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 81 and
-    # 30 / 80 (bf16: the indexer's keys, converted to float32 for their product; NOTES item 32).
+    # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 74 and
+    # 29 / 72 (NOTES items 32-33): a layer's index keys and HCA entries, copied out of the stack
+    # for their products (bf16: the HCA entries converted to float32 there).
     config = tiny_config(
         layer_types=(C, H) * 3,
         num_hash_layers=0,
