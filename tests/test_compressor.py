@@ -108,22 +108,28 @@ def assert_same_selection(ours, theirs, scores):
         np.testing.assert_array_equal(sa, sb, err_msg=f"query {idx}: {a} vs {b}")
 
 
+def _reference_picks_and_scores(reference, x, qr, positions):
+    """The reference indexer's picks, and the scores its scorer computed (None when it had no
+    blocks to score)."""
+    captured = []
+    scorer = reference.scorer.forward
+    reference.scorer.forward = lambda *a: captured.append(scorer(*a)) or captured[-1]
+    picks = reference(to_torch(x), to_torch(qr), positions, None, 2)
+    return picks, to_numpy(captured[0]) if captured else None
+
+
 @pytest.mark.parametrize("seq", LENGTHS)
 def test_indexer_matches_reference(getkey, seq):
     config = tiny_config()
     reference, ours = _indexer_pair(getkey, config, seed=seq)
     x, qr, positions = _inputs(getkey(), config, 2, seq)
-    captured = []
-    scorer = reference.scorer.forward
-    reference.scorer.forward = lambda *a: captured.append(scorer(*a)) or captured[-1]
-    expected = reference(to_torch(x), to_torch(qr), positions, None, 2)
+    expected, ref_scores = _reference_picks_and_scores(reference, x, qr, positions)
     picked = eqx.filter_jit(ours)(x, qr)
     k = min(config.index_topk, seq // 4)
     assert picked.shape == (2, seq, k) and picked.dtype == jnp.int32
     if k == 0:
         assert expected.shape[-1] == 0
         return
-    ref_scores = to_numpy(captured[0])
     keys = ours.compressor(x)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))
     scores = eqx.filter_jit(ours.scores)(x, qr, keys, pos)
@@ -143,15 +149,12 @@ def test_indexer_scores_of_a_few_queries(getkey, queries):
     reference, ours = _indexer_pair(getkey, config, seed=queries)
     x, qr, positions = _inputs(getkey(), config, 2, seq)
     assert queries <= ed._indexer._FEW_QUERIES
-    captured = []
-    scorer = reference.scorer.forward
-    reference.scorer.forward = lambda *a: captured.append(scorer(*a)) or captured[-1]
-    reference(to_torch(x), to_torch(qr), positions, None, 2)
+    _, ref_scores = _reference_picks_and_scores(reference, x, qr, positions)
     keys = ours.compressor(x)
     last = slice(seq - queries, seq)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))[:, last]
     scores = eqx.filter_jit(ours.scores)(x[:, last], qr[:, last], keys, pos)
-    np.testing.assert_allclose(scores, to_numpy(captured[0])[:, last], **TOL)
+    np.testing.assert_allclose(scores, ref_scores[:, last], **TOL)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
