@@ -9,6 +9,7 @@ status 1, and nothing left at OUT_DIR.
 
 import argparse
 import sys
+import warnings
 
 import jax.numpy as jnp
 
@@ -30,18 +31,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="parameter dtype"
     )
-    parser.add_argument("--no-mtp", action="store_true", help="skip the MTP block (mtp.*)")
+    parser.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="skip the MTP block (mtp.*); without it the block is converted when present (a "
+        "transformers-saved checkpoint has none, whatever its config says)",
+    )
     parser.add_argument(
         "--layers", type=int, metavar="N", help="keep only the first N layers (for smoke runs)"
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    warnings.showwarning = _one_line
     try:
         summary = convert(
             args.hf_dir,
             args.out_dir,
             dtype=jnp.dtype(args.dtype),
-            load_mtp=not args.no_mtp,
+            load_mtp=False if args.no_mtp else None,
             layers=args.layers,
             progress=not args.quiet,
         )
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    del category, filename, lineno, file, line
+    print(f"warning: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import pathlib
 import resource
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,6 +98,11 @@ def _logical_shape(info: TensorInfo, scale: TensorInfo | None, block, problems) 
     return shape
 
 
+class MTPSkippedWarning(UserWarning):
+    """A transformers-layout checkpoint announces MTP layers in its config but holds none:
+    it is loaded without its MTP block."""
+
+
 @dataclasses.dataclass
 class Plan:
     """Everything needed to read a checkpoint into a model: the validated sources, where each
@@ -114,22 +120,23 @@ def plan(
     hf_dir: str | os.PathLike,
     *,
     dtype: Any = jnp.float32,
-    load_mtp: bool = True,
+    load_mtp: bool | None = None,
     layers: int | None = None,
 ) -> Plan:
     """Read config and headers of `hf_dir`, map every tensor and check it against the model:
     names, shapes, dtypes, scales, the index and the files. Raises `CheckpointError` listing
-    every problem; reads no tensor data."""
+    every problem; reads no tensor data. `load_mtp` as in `load_hf`."""
     hf_dir = pathlib.Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     config = ed.Config.from_json(hf_dir / "config.json")
+    problems: list[str] = []
+    tensors = list_tensors(hf_dir, problems)
+    load_mtp = _resolve_mtp(config, tensors, load_mtp, problems)
     if not load_mtp:
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
     if layers is not None:
         config = config.first_layers(layers)
-    problems: list[str] = []
-    tensors = list_tensors(hf_dir, problems)
     skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
     block = config.fp8_block_size or (128, 128)
     scales = {scale_owner(n): n for n in tensors if scale_owner(n) in tensors}
@@ -141,9 +148,8 @@ def plan(
         if owner is not None and (name.endswith("_scale_inv") or info.dtype.itemsize == 1):
             problems.append(f"{name!r}: a scale without its weight {owner!r}")
             continue
-        targets = hf_to_canonical(name) or ((name, Transform()),)
         scale = tensors.get(scales.get(name, ""))
-        for canonical, transform in targets:
+        for canonical, transform in _targets(name):
             if _skipped(canonical, load_mtp, layers):
                 continue
             shape = _logical_shape(info, scale, block, problems)
@@ -156,10 +162,59 @@ def plan(
         slots = assign(skeleton, ((s.name, s.shape, s.is_int) for s in sources.values()))
     except CheckpointError as e:
         problems += e.problems
+    if any(p.startswith("missing tensor for .mtp[") for p in problems):
+        problems.append(_NO_MTP_HINT)
     if problems:
         raise CheckpointError(problems)
     read = {t.name: t for s in sources.values() for t in (s.weight, s.scale) if t is not None}
     return Plan(config, skeleton, sources, slots, len(read), sum(t.nbytes for t in read.values()))
+
+
+_NO_MTP_HINT = "to load without the MTP block, pass load_mtp=False (python -m convert: --no-mtp)"
+
+
+def _targets(name: str) -> tuple[tuple[str, Transform], ...]:
+    return hf_to_canonical(name) or ((name, Transform()),)
+
+
+def _resolve_mtp(
+    config: ed.Config,
+    tensors: dict[str, TensorInfo],
+    load_mtp: bool | None,
+    problems: list[str],
+) -> bool:
+    """Whether to load the MTP block. transformers' `DeepseekV4Config` announces one MTP layer
+    by default while its model has none, so every checkpoint its `save_pretrained` writes says
+    "one MTP layer" and holds no `mtp.*` tensor: with `load_mtp=None` such a checkpoint loads
+    without the block (with a `MTPSkippedWarning`). A release-layout checkpoint missing the
+    MTP its config announces is damaged, and stays an error (appended to `problems`)."""
+    announced = config.num_nextn_predict_layers
+    if load_mtp is False:
+        return False
+    if announced == 0:
+        return True  # any mtp.* tensor is then reported as unexpected
+    if any(c.startswith("mtp.") for n in tensors for c, _ in _targets(n)):
+        return True
+    if not any(n.startswith(("model.", "lm_head.")) for n in tensors):
+        problems.append(
+            f"config.json announces {announced} MTP layer(s) (num_nextn_predict_layers) but the "
+            f"checkpoint holds no mtp.* tensor; {_NO_MTP_HINT}"
+        )
+    elif load_mtp:
+        problems.append(
+            "load_mtp=True, but this transformers-layout checkpoint holds no mtp.* tensor (its "
+            f"config's num_nextn_predict_layers={announced} is transformers' default: its "
+            "DeepseekV4ForCausalLM has no MTP block, so save_pretrained writes none)"
+        )
+    else:
+        warnings.warn(
+            "the MTP block is absent from this transformers-layout checkpoint (config.json says "
+            f"num_nextn_predict_layers={announced}, transformers' default, but it holds no mtp.* "
+            "tensor): loading without it",
+            MTPSkippedWarning,
+            stacklevel=4,
+        )
+    return False
 
 
 def _skipped(canonical: str, load_mtp: bool, layers: int | None) -> bool:
@@ -197,7 +252,7 @@ def load_hf(
     *,
     dtype: Any = jnp.float32,
     mesh: Mesh | None = None,
-    load_mtp: bool = True,
+    load_mtp: bool | None = None,
     rules: ed.ShardingRules | None = None,
     cache_bytes: int = 2 << 30,
 ) -> ed.DeepseekV4:
@@ -210,7 +265,10 @@ def load_hf(
     - `dtype`: parameter dtype (`float32` or `bfloat16`); FP8/FP4 weights are dequantised.
     - `mesh`: when given, each leaf is created with its `NamedSharding` (`rules`), each device
       reading only what it holds, so a model larger than one device loads sharded.
-    - `load_mtp`: load the MTP block (`mtp.*`); `False` leaves the model without one.
+    - `load_mtp`: load the MTP block (`mtp.*`). `None` (default): load it if the checkpoint
+      holds it; a transformers-layout checkpoint without one (transformers' model has no MTP
+      block, yet its config announces one) loads without it, with a `MTPSkippedWarning`.
+      `True`: the block must be there. `False`: leave the model without one.
     - `cache_bytes`: dequantised tensors kept for devices that share them.
 
     **Returns:** the model. Raises `CheckpointError` (listing every problem) before reading any
@@ -253,7 +311,7 @@ def convert(
     out_dir: str | os.PathLike,
     *,
     dtype: Any = jnp.bfloat16,
-    load_mtp: bool = True,
+    load_mtp: bool | None = None,
     layers: int | None = None,
     progress: bool = False,
 ) -> dict[str, Any]:

@@ -353,8 +353,11 @@ class DeepseekV4(eqx.Module):
         """**Arguments:** `input_ids`, int32 token ids `[batch, seq]` at positions `0 .. seq-1`.
 
         **Returns:** float32 logits `[batch, seq, vocab_size]`.
+
+        Compiled once per input shape (see `decode`), so calling it eagerly is safe.
         """
-        return self.logits(self.streams(input_ids))
+        _check_ids(input_ids)
+        return _jitted_call(self, input_ids)
 
     def streams(
         self, input_ids: Int[Array, "batch seq"]
@@ -427,8 +430,23 @@ class DeepseekV4(eqx.Module):
         **Returns:** `(logits, cache)`: float32 `[batch, chunk, vocab]` and the updated cache.
         Fixed shapes: decoding step after step never recompiles. Appending past `max_len` is a
         runtime error.
+
+        The step is compiled once per shape and reused, so a plain Python loop of eager calls
+        is safe; inside an outer `jit` the call is inlined. (Run op by op, the layer scan would
+        be compiled afresh on every call, and XLA:CPU keeps each executable's memory mappings
+        until the process dies at the kernel's `vm.max_map_count`.) The cache is not donated:
+        `generate`'s steps donate it.
         """
         _check_ids(input_ids)
+        return _jitted_decode(self, input_ids, cache, num_tokens, last_only)
+
+    def _decode(
+        self,
+        input_ids: Int[Array, "batch chunk"],
+        cache: KVCache,
+        num_tokens: Int[Array, " batch"] | None,
+        last_only: bool,
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
         x, cache, _ = self._forward(input_ids, cache, count, in_place=True)
@@ -498,6 +516,16 @@ class DeepseekV4(eqx.Module):
         _check_ids(next_ids)
         h, _ = self.mtp[0](streams, next_ids, self.embed)
         return self.head(h, dtype=jnp.float32)
+
+
+# `__call__` and `decode` run through these: one compiled program per shape, inlined when the
+# caller is already being traced.
+_jitted_call = eqx.filter_jit(lambda model, ids: model.logits(model.streams(ids)))
+_jitted_decode = eqx.filter_jit(
+    lambda model, ids, cache, num_tokens, last_only: model._decode(
+        ids, cache, num_tokens, last_only
+    )
+)
 
 
 def _check_ids(ids: Array) -> None:

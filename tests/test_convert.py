@@ -1,13 +1,13 @@
 """The converter: transformers-saved and release-layout checkpoints, dequantisation by hand,
 sharded loading, orbax round trips, and every kind of bad input."""
 
-import dataclasses
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -43,14 +43,25 @@ def logits(model, ids=IDS):
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_model(dataclasses.replace(CONFIG, num_nextn_predict_layers=0), seed=21)
+    # transformers' default config announces one MTP layer; its model has none.
+    assert transformers.DeepseekV4Config().num_nextn_predict_layers == 1
+    assert CONFIG.num_nextn_predict_layers == 1
+    return reference_model(CONFIG, seed=21)
 
 
 @pytest.fixture(scope="module")
 def hf_saved(tmp_path_factory, reference):
     path = tmp_path_factory.mktemp("hf_saved")
     reference.save_pretrained(path, max_shard_size="200KB")
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     return path
+
+
+def load_saved(path, **kwargs):
+    """`convert.load_hf` on a transformers-saved checkpoint, which announces an MTP block it
+    does not hold: loaded without it, with a warning."""
+    with pytest.warns(convert.MTPSkippedWarning, match="MTP block is absent"):
+        return convert.load_hf(path, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +75,7 @@ def release(tmp_path_factory, reference):
 def release_reference_logits(release, reference):
     """transformers' model on the dequantised release weights."""
     _, expected = release
-    dequantised = reference_model(dataclasses.replace(CONFIG, num_nextn_predict_layers=0), seed=21)
+    dequantised = reference_model(CONFIG, seed=21)
     dequantised.load_state_dict(hf_state_from_canonical(expected, reference))
     return reference_logits(dequantised, IDS)
 
@@ -121,11 +132,56 @@ def test_fp8_values_are_exact():
 
 def test_transformers_saved_checkpoint(hf_saved, reference):
     assert (hf_saved / "model.safetensors.index.json").is_file()
-    model = convert.load_hf(hf_saved)
-    assert not model.mtp  # transformers keeps no MTP weights
+    model = load_saved(hf_saved)  # default arguments
+    assert not model.mtp and model.config.num_nextn_predict_layers == 0
     np.testing.assert_allclose(
         logits(model), reference_logits(reference, IDS), atol=1e-4, rtol=1e-4
     )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for no MTP: nothing to warn about
+        assert not convert.load_hf(hf_saved, load_mtp=False).mtp
+
+
+def test_transformers_saved_checkpoint_with_mtp_required(hf_saved):
+    with pytest.raises(convert.CheckpointError, match="load_mtp=True, but this transformers"):
+        convert.load_hf(hf_saved, load_mtp=True)
+
+
+def test_transformers_saved_checkpoint_cli(hf_saved, reference, tmp_path):
+    out = tmp_path / "out"
+    result = _cli(hf_saved, out, "--quiet", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "MTP" in line]
+    assert len(warning) == 1 and warning[0].startswith("warning: the MTP block is absent")
+    model = ed.load(out)
+    assert not model.mtp
+    np.testing.assert_allclose(
+        logits(model), reference_logits(reference, IDS), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_release_layout_without_its_mtp_is_an_error(release, tmp_path):
+    bad = _copy(release, tmp_path)
+    weight_map = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    by_shard = {f: n for n, f in weight_map.items() if n.startswith("mtp.")}
+    assert by_shard
+    for name in by_shard.values():  # one name per shard: drops every MTP tensor of the shard
+        _rewrite_shard(bad, name, lambda t: [t.pop(n) for n in list(t) if n.startswith("mtp.")])
+    for load_mtp in (None, True):
+        with pytest.raises(convert.CheckpointError) as info:
+            convert.load_hf(bad, load_mtp=load_mtp)
+        assert "announces 1 MTP layer(s)" in str(info.value)
+        assert "load_mtp=False" in str(info.value) and "--no-mtp" in str(info.value)
+    result = _cli(bad, tmp_path / "out", "--quiet")
+    assert result.returncode == 1 and "--no-mtp" in result.stderr
+    assert not convert.load_hf(bad, load_mtp=False).mtp
+    # Some of the MTP block missing: each missing tensor listed, and the same hint.
+    partial = _copy(release, tmp_path / "partial")
+    _rewrite_shard(partial, "mtp.0.e_proj.weight", lambda t: t.pop("mtp.0.e_proj.weight"))
+    with pytest.raises(convert.CheckpointError) as info:
+        convert.load_hf(partial)
+    assert "missing tensor for .mtp[0].e_proj.weight" in str(info.value)
+    assert "--no-mtp" in str(info.value)
 
 
 def test_release_layout(release, release_reference_logits):
@@ -189,7 +245,7 @@ def test_convert_then_load_is_bit_exact(release, tmp_path):
 
 
 def test_save_load_round_trip_and_sharded_load(tmp_path, hf_saved):
-    model = convert.load_hf(hf_saved)
+    model = load_saved(hf_saved)
     ed.save(tmp_path / "saved", model)
     loaded = ed.load(tmp_path / "saved")
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
