@@ -266,7 +266,7 @@ class PieceWriter:
     `flush_bytes` plus one piece, whatever the model size."""
 
     def __init__(self, path: pathlib.Path, flush_bytes: int = 1 << 30):
-        self._dir = path / "weights"
+        self._dir = path.absolute() / "weights"  # orbax refuses relative paths
         self._dir.mkdir()
         self._pending: dict = {}
         self._bytes = 0
@@ -370,7 +370,7 @@ def load(
     from orbax.checkpoint.experimental import v1 as ocp
 
     config, dtype = read_config(path)
-    weights = pathlib.Path(path) / "weights"
+    weights = pathlib.Path(path).absolute() / "weights"  # orbax refuses relative paths
     manifest = json.loads((weights / "manifest.json").read_text())["pieces"]
     skeleton = eqx.filter_eval_shape(DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
     slots = assign(

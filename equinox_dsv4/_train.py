@@ -315,7 +315,7 @@ def save_train_state(path: str | os.PathLike, state: TrainState, *, data_positio
     """
     from orbax.checkpoint.experimental import v1 as ocp
 
-    path = pathlib.Path(path)
+    path = pathlib.Path(path).absolute()  # orbax refuses relative paths
     leaves = jax.tree.leaves(eqx.filter(state, eqx.is_array))
     meta = {
         "format": _STATE_FORMAT,
@@ -375,7 +375,7 @@ def restore_train_state(path: str | os.PathLike, like: TrainState) -> tuple[Trai
             )
         sharding = getattr(leaf, "sharding", None)
         abstract[f"{i:06d}"] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-    restored = ocp.load(path / "arrays", abstract)
+    restored = ocp.load(path.absolute() / "arrays", abstract)  # orbax refuses relative paths
     values = [restored[f"{i:06d}"] for i in range(len(leaves))]
     state = eqx.combine(jax.tree.unflatten(treedef, values), static)
     return state, int(meta["data_position"])
