@@ -9,6 +9,7 @@ import transformers
 from hf_reference import C, H, S, tiny_config
 
 import equinox_dsv4 as ed
+from equinox_dsv4._hf_config import IGNORED_HF_KEYS
 
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -124,7 +125,7 @@ def test_unknown_keys_are_listed():
     raw = _flash_json()
     raw.update(torch_dtype="bfloat16", architectures=["X"], use_cache=False)
     ed.Config.from_hf(raw)
-    assert "transformers_version" in ed._config.IGNORED_HF_KEYS
+    assert "transformers_version" in IGNORED_HF_KEYS
 
 
 def test_direct_construction_validates():
@@ -147,3 +148,26 @@ def test_first_layers_keeps_the_prefix_and_rejects_bad_counts():
     for bad in (0, config.num_hidden_layers + 1):
         with pytest.raises(ValueError, match=rf"layers must be in 1\.\.9, got {bad}"):
             config.first_layers(bad)
+
+
+def test_every_field_has_one_place_in_config_json():
+    # The field list is written once (`Config`'s fields): every field is its own config.json key
+    # ("plain"), read and written by `_hf_config` ("custom"), or an execution setting (None).
+    config = dataclasses.replace(tiny_config(), fp8_block_size=(128, 128), expert_dtype="fp4")
+    written = config.to_hf()
+    for field in dataclasses.fields(ed.Config):
+        kind = field.metadata["hf"]
+        assert kind in ("plain", "custom", None), field.name
+        if kind == "plain":
+            assert written[field.name] == getattr(config, field.name), field.name
+        elif kind is None:
+            assert field.name not in written, field.name
+    assert ed.Config.from_hf(written) == config
+    # An execution setting is an override, never a config.json key.
+    with pytest.raises(ValueError, match=r"unknown config keys: \['scan_layers'\]"):
+        ed.Config.from_hf({**written, "scan_layers": False})
+    # Ints are widened for float fields, and bad values name the field.
+    assert ed.Config.from_hf({**written, "hc_eps": 1}).hc_eps == 1.0
+    for name, value in (("routed_scaling_factor", 0.0), ("num_nextn_predict_layers", -1)):
+        with pytest.raises(ValueError, match=name):
+            dataclasses.replace(config, **{name: value})
