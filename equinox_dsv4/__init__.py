@@ -1,12 +1,13 @@
-"""DeepSeek-V4 (Flash / Pro) in JAX + Equinox."""
+"""DeepSeek-V4 (Flash / Pro) in JAX + Equinox.
 
-from . import train as train  # the namespace `equinox_dsv4.train`
-from ._attention import Attention as Attention, attend as attend
-from ._block import Block as Block
+The names here are what a user calls: the model and its config, the cache, generation and
+sampling, the chat format, loading and saving, sharding, training. The components are in
+`equinox_dsv4.nn`; everything else stays importable from its private module.
+"""
+
+from . import nn as nn
 from ._cache import (
-    CompressorState as CompressorState,
     KVCache as KVCache,
-    LayerCache as LayerCache,
     cache_bytes as cache_bytes,
     cache_bytes_per_token as cache_bytes_per_token,
 )
@@ -17,11 +18,6 @@ from ._chat import (
     load_tokenizer as load_tokenizer,
 )
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
-from ._compressor import (
-    AbstractCompressor as AbstractCompressor,
-    CSACompressor as CSACompressor,
-    HCACompressor as HCACompressor,
-)
 from ._config import (
     CSA as CSA,
     HASH_MOE as HASH_MOE,
@@ -31,7 +27,6 @@ from ._config import (
     Config as Config,
     YarnScaling as YarnScaling,
 )
-from ._experts import Experts as Experts
 from ._generate import (
     Sampling as Sampling,
     decode_step as decode_step,
@@ -39,23 +34,9 @@ from ._generate import (
     prefill as prefill,
     sample as sample,
 )
-from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead
-from ._indexer import LightningIndexer as LightningIndexer
-from ._layers import Embedding as Embedding, Linear as Linear, RMSNorm as RMSNorm
-from ._model import (
-    REMAT_POLICIES as REMAT_POLICIES,
-    DeepseekV4 as DeepseekV4,
-    LayerStack as LayerStack,
-    MTPBlock as MTPBlock,
-)
-from ._moe import (
-    Gate as Gate,
-    MoE as MoE,
-    RouterStats as RouterStats,
-    SharedExpert as SharedExpert,
-)
-from ._plan import LayerPlan as LayerPlan, Segment as Segment
-from ._rope import RoPE as RoPE
+from ._model import REMAT_POLICIES as REMAT_POLICIES, DeepseekV4 as DeepseekV4
+from ._moe import RouterStats as RouterStats
+from ._plan import LayerPlan as LayerPlan
 from ._sharding import (
     ShardingRules as ShardingRules,
     logical_axes as logical_axes,
@@ -82,3 +63,59 @@ from ._train import (
 
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # the model and its config
+    "DeepseekV4",
+    "Config",
+    "YarnScaling",
+    "LayerPlan",
+    "SLIDING",
+    "CSA",
+    "HCA",
+    "HASH_MOE",
+    "MOE",
+    "nn",
+    # the cache
+    "KVCache",
+    "cache_bytes",
+    "cache_bytes_per_token",
+    # generation and sampling
+    "Sampling",
+    "generate",
+    "prefill",
+    "decode_step",
+    "sample",
+    # the chat format and the tokenizer
+    "chat_prompt",
+    "encode_text",
+    "decode_text",
+    "load_tokenizer",
+    # loading and saving
+    "load",
+    "save",
+    "CheckpointError",
+    # sharding
+    "ShardingRules",
+    "make_mesh",
+    "shard",
+    "shard_cache",
+    "named_shardings",
+    "partition_specs",
+    "logical_axes",
+    # training
+    "Batch",
+    "TrainState",
+    "REMAT_POLICIES",
+    "RouterStats",
+    "make_optimizer",
+    "make_train_step",
+    "init_train_state",
+    "save_train_state",
+    "restore_train_state",
+    "trainable",
+    "loss_and_stats",
+    "cross_entropy",
+    "balance_loss",
+    "update_router_bias",
+]

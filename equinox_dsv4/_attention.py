@@ -13,6 +13,7 @@ entries, h heads, k head dim, g groups, o `o_lora_rank`.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -254,6 +255,7 @@ class Attention(eqx.Module):
         cache = self.init_cache(b, s, x.dtype)
         return self.step(x, start, jnp.full((b,), s, jnp.int32), cache)[0]
 
+    @jax.named_scope("attention")
     def step(
         self,
         x: Float[Array, "batch chunk d_model"],

@@ -1,6 +1,7 @@
 """The decoder block: attention and MoE, each wrapped in its own mHC site."""
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 from jax.typing import DTypeLike
@@ -75,6 +76,7 @@ class Block(eqx.Module):
         x, _, stats = self.step(x, ids, start, jnp.full((b,), s, jnp.int32), cache)
         return x, stats
 
+    @jax.named_scope("block")
     def step(
         self,
         x: Float[Array, "batch chunk streams d_model"],

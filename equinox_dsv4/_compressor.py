@@ -116,6 +116,7 @@ class AbstractCompressor(eqx.Module):
         zero = jnp.zeros((b,), jnp.int32)
         return self.step(x, zero, jnp.full((b,), s, jnp.int32), state).entries
 
+    @jax.named_scope("compressor")
     def step(
         self,
         x: Float[Array, "batch chunk d_model"],

@@ -132,6 +132,7 @@ class LightningIndexer(eqx.Module):
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         return self.select(x, qr, keys, positions)
 
+    @jax.named_scope("indexer")
     def step(
         self,
         x: Float[Array, "batch chunk d_model"],

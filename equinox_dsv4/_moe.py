@@ -164,6 +164,7 @@ class MoE(eqx.Module):
         """
         return self.with_stats(x, ids)[0]
 
+    @jax.named_scope("moe")
     def with_stats(
         self, x: Float[Array, "batch seq d_model"], ids: Int[Array, "batch seq"]
     ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:

@@ -20,6 +20,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
+from equinox_dsv4._attention import attend
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -49,7 +50,7 @@ def test_attention_matches_reference(getkey, layer, seq):
     config = tiny_config()
     reference, rotary = reference_attention(config, layer, seed=10 * layer + seq)
     ours = load_component(
-        abstract(ed.Attention, config, config.layer_types[layer]),
+        abstract(ed.nn.Attention, config, config.layer_types[layer]),
         reference,
         f"model.layers.{layer}.self_attn.",
         ".attn",
@@ -63,7 +64,7 @@ def test_attention_window_longer_than_sequence(getkey):
     config = tiny_config(sliding_window=64)
     reference, rotary = reference_attention(config, 3, seed=5)
     ours = load_component(
-        abstract(ed.Attention, config, ed.HCA), reference, "model.layers.3.self_attn.", ".attn"
+        abstract(ed.nn.Attention, config, ed.HCA), reference, "model.layers.3.self_attn.", ".attn"
     )
     x = jax.random.normal(getkey(), (1, 40, config.hidden_size))
     np.testing.assert_allclose(
@@ -78,7 +79,7 @@ def test_attend_by_hand():
     q = jnp.ones((1, 3, 1, 1))
     kv = jnp.array([[[1.0], [2.0], [3.0]]])
     sink = jnp.array([0.5])
-    out = ed.attend(q, kv, sink, window=2)
+    out = attend(q, kv, sink, window=2)
     e = np.exp
     expected = (2 * e(2) + 3 * e(3)) / (e(2) + e(3) + e(0.5))
     np.testing.assert_allclose(out[0, 2, 0, 0], expected, rtol=1e-6)
@@ -93,7 +94,7 @@ def test_attend_compressed_entries_by_hand():
     kv = jnp.array([[[1.0], [2.0]]])
     compressed = jnp.array([[[5.0], [7.0]]])
     mask = jnp.array([[[False, False], [True, False]]])
-    out = ed.attend(q, kv, jnp.array([-30.0]), 1, compressed=compressed, compressed_mask=mask)
+    out = attend(q, kv, jnp.array([-30.0]), 1, compressed=compressed, compressed_mask=mask)
     e = np.exp
     np.testing.assert_allclose(
         out[0, 1, 0, 0], (2 * e(2) + 5 * e(5)) / (e(2) + e(5) + e(-30)), rtol=1e-6
@@ -103,7 +104,7 @@ def test_attend_compressed_entries_by_hand():
 
 def test_attention_bf16_runs(getkey):
     config = tiny_config()
-    attn = random_fill(abstract(ed.Attention, config, ed.CSA, dtype=jnp.bfloat16), 0)
+    attn = random_fill(abstract(ed.nn.Attention, config, ed.CSA, dtype=jnp.bfloat16), 0)
     x = jax.random.normal(getkey(), (1, 21, config.hidden_size)).astype(jnp.bfloat16)
     out = eqx.filter_jit(attn)(x)
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())

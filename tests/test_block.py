@@ -30,7 +30,7 @@ def test_block_matches_reference(getkey, layer, hc_mult):
     rotary = hf.DeepseekV4RotaryEmbedding(hf_cfg)
     kind = (config.layer_types[layer], config.mlp_layer_types[layer])
     ours = load_component(
-        abstract(ed.Block, config, *kind), reference, f"model.layers.{layer}.", ""
+        abstract(ed.nn.Block, config, *kind), reference, f"model.layers.{layer}.", ""
     )
     b, s = 2, 29
     x = jax.random.normal(getkey(), (b, s, hc_mult, config.hidden_size))

@@ -40,7 +40,7 @@ def test_hca_compressor_matches_reference(getkey, seq):
     config = tiny_config()
     reference = randomize(hf.DeepseekV4HCACompressor(hf_config(config)), seed=seq)
     ours = load_component(
-        abstract(ed.HCACompressor, config, config.head_dim),
+        abstract(ed.nn.HCACompressor, config, config.head_dim),
         reference,
         "model.layers.3.self_attn.compressor.",
         ".attn.compressor",
@@ -57,7 +57,7 @@ def test_csa_compressor_matches_reference(getkey, seq):
     config = tiny_config()
     reference = randomize(hf.DeepseekV4CSACompressor(hf_config(config)), seed=seq)
     ours = load_component(
-        abstract(ed.CSACompressor, config, config.head_dim),
+        abstract(ed.nn.CSACompressor, config, config.head_dim),
         reference.eval(),
         "model.layers.2.self_attn.compressor.",
         ".attn.compressor",
@@ -74,7 +74,7 @@ def test_csa_first_window_has_no_predecessor(getkey):
     # Entry 0 pools only Cb of block 0: with Ca of block 0 scaled up, entry 0 is unchanged and
     # entry 1 (which pools Ca of block 0) moves.
     config = tiny_config()
-    comp = random_fill(abstract(ed.CSACompressor, config, config.head_dim), 0)
+    comp = random_fill(abstract(ed.nn.CSACompressor, config, config.head_dim), 0)
     x = jax.random.normal(getkey(), (1, 8, config.hidden_size))
     base = comp(x)
     d = config.head_dim
@@ -87,7 +87,7 @@ def test_csa_first_window_has_no_predecessor(getkey):
 def _indexer_pair(getkey, config, seed):
     reference = randomize(hf.DeepseekV4Indexer(hf_config(config)), seed=seed)
     ours = load_component(
-        abstract(ed.LightningIndexer, config),
+        abstract(ed.nn.LightningIndexer, config),
         reference,
         "model.layers.2.self_attn.compressor.indexer.",
         ".attn.indexer",
@@ -164,7 +164,7 @@ def test_indexer_decode_scores_read_the_keys_as_stored(dtype):
     # slower at 4k keys and 3.3x at 16k (benchmarks/NOTES.md, item 33). The temporaries must
     # stay below the keys' own size: here 1 MiB of float32 keys, 128 KiB of scores.
     config = tiny_config(index_n_heads=8, index_head_dim=64)
-    indexer = abstract(ed.LightningIndexer, config, dtype=dtype)
+    indexer = abstract(ed.nn.LightningIndexer, config, dtype=dtype)
     blocks = 4096
 
     def spec(*shape, dt=dtype):

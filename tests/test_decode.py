@@ -9,6 +9,7 @@ import pytest
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
+from equinox_dsv4._model import LayerStack
 
 
 CONFIGS = {
@@ -117,7 +118,7 @@ def test_cache_is_stacked_like_the_layers(setups):
     model, _, _ = setups["flash_like"]
     cache = model.init_cache(3, 64)
     stack = model.layers[-1]
-    assert isinstance(stack, ed.LayerStack) and stack.repeats == 3
+    assert isinstance(stack, LayerStack) and stack.repeats == 3
     hca, csa = cache.layers[-1]
     assert hca.ring.shape == (3, 3, 8, 32) and hca.indexer is None
     assert hca.compressor.entries.shape == (3, 3, 64 // 8, 32)
@@ -224,7 +225,7 @@ def test_stacked_cache_is_updated_in_place(dtype, scan):
         num_nextn_predict_layers=0,
     )
     model = abstract(ed.DeepseekV4, config, dtype=dtype)
-    assert [type(layer) for layer in model.layers] == [ed.LayerStack]
+    assert [type(layer) for layer in model.layers] == [LayerStack]
 
     def cache_bytes(max_len):
         cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, max_len), model)

@@ -31,7 +31,7 @@ def test_hyper_connection_matches_reference(getkey, hc_mult):
     config = tiny_config(hc_mult=hc_mult)
     reference = randomize(hf.DeepseekV4HyperConnection(hf_config(config)), seed=hc_mult)
     ours = load_component(
-        abstract(ed.HyperConnection, config), reference, "model.layers.0.attn_hc.", ".hc_attn"
+        abstract(ed.nn.HyperConnection, config), reference, "model.layers.0.attn_hc.", ".hc_attn"
     )
     x = jax.random.normal(getkey(), (2, 7, hc_mult, config.hidden_size))
     post, comb, collapsed = reference(to_torch(x))
@@ -51,7 +51,7 @@ def test_hyper_connection_matches_reference(getkey, hc_mult):
 def test_mix_uses_the_transpose():
     # Streams X_0 = [1], X_1 = [0]; C = [[a, b], [c, d]]: X'_k = sum_j C[j, k] X_j -> [a, b].
     config = tiny_config(hc_mult=2, hidden_size=1, q_lora_rank=1)
-    hc = ed.HyperConnection(config, key=jax.random.key(0))
+    hc = ed.nn.HyperConnection(config, key=jax.random.key(0))
     comb = jnp.array([[0.7, 0.3], [0.2, 0.8]])
     out = hc.mix(jnp.zeros((1,)), jnp.array([[1.0], [0.0]]), jnp.zeros((2,)), comb)
     np.testing.assert_allclose(out[:, 0], [0.7, 0.3], rtol=1e-6)
@@ -82,14 +82,14 @@ def test_hyper_head_matches_reference(getkey, hc_mult):
         ".base": to_numpy(reference.hc_base),
         ".scale": to_numpy(reference.hc_scale),
     }
-    ours = fill_paths(abstract(ed.HyperHead, config), values)
+    ours = fill_paths(abstract(ed.nn.HyperHead, config), values)
     x = jax.random.normal(getkey(), (2, 5, hc_mult, config.hidden_size))
     np.testing.assert_allclose(eqx.filter_jit(ours)(x), to_numpy(reference(to_torch(x))), **TOL)
 
 
 def test_hyper_connection_bf16(getkey):
     config = tiny_config()
-    hc = random_fill(abstract(ed.HyperConnection, config), 0)
+    hc = random_fill(abstract(ed.nn.HyperConnection, config), 0)
     x = jax.random.normal(getkey(), (1, 3, 4, config.hidden_size)).astype(jnp.bfloat16)
     u, post, comb = hc(x)
     assert u.dtype == jnp.bfloat16 and post.dtype == jnp.float32 and comb.dtype == jnp.float32

@@ -22,14 +22,14 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 def test_rmsnorm_matches_reference(getkey):
     x = jax.random.normal(getkey(), (2, 5, 32))
     reference = randomize(hf.DeepseekV4RMSNorm(32, eps=1e-6), seed=1)
-    ours = fill_paths(ed.RMSNorm(32, 1e-6), {".weight": to_numpy(reference.weight)})
+    ours = fill_paths(ed.nn.RMSNorm(32, 1e-6), {".weight": to_numpy(reference.weight)})
     expected = to_numpy(reference(to_torch(x)))
     np.testing.assert_allclose(ours(x), expected, **TOL)
 
 
 def test_rmsnorm_bf16_keeps_float32_weight_and_casts_back(getkey):
     x = jax.random.normal(getkey(), (3, 16)).astype(jnp.bfloat16)
-    norm = ed.RMSNorm(16)
+    norm = ed.nn.RMSNorm(16)
     y = norm(x)
     assert y.dtype == jnp.bfloat16 and norm.weight.dtype == jnp.float32
     xf = np.asarray(x, np.float32)
@@ -64,7 +64,7 @@ def test_inverse_frequencies_match_reference(label):
     )
     rotary = hf.DeepseekV4RotaryEmbedding(hf_config(config))
     expected = to_numpy(getattr(rotary, f"{label}_inv_freq"))
-    rope = ed.RoPE.for_layer(config, compressed=label == "compress")
+    rope = ed.nn.RoPE.for_layer(config, compressed=label == "compress")
     np.testing.assert_allclose(
         inverse_frequencies(rope.dim, rope.theta, rope.yarn), expected, rtol=1e-6
     )
@@ -82,7 +82,7 @@ def test_rope_rotation_matches_reference(getkey, label, inverse):
     # transformers rotates [b, h, s, d] and broadcasts cos/sin over heads.
     ref_in = to_torch(x).transpose(1, 2)
     expected = hf.apply_rotary_pos_emb(ref_in, cos, -sin if inverse else sin).transpose(1, 2)
-    rope = ed.RoPE.for_layer(config, compressed=label == "compress")
+    rope = ed.nn.RoPE.for_layer(config, compressed=label == "compress")
     ours = rope(x, positions, inverse=inverse)
     np.testing.assert_allclose(ours, to_numpy(expected), **TOL)
     # Only the trailing qk_rope_head_dim channels move.
@@ -93,7 +93,7 @@ def test_rope_rotation_matches_reference(getkey, label, inverse):
 
 def test_rope_by_hand():
     # One pair rotated by angle t * inv_freq_0 = t (inv_freq_0 = 1): (1, 0) -> (cos t, sin t).
-    rope = ed.RoPE(2, 10000.0)
+    rope = ed.nn.RoPE(2, 10000.0)
     x = jnp.array([[[7.0, 1.0, 0.0]]])  # [b, s, 3]: one pass-through channel, one pair
     y = rope(x, jnp.array([[3]], jnp.int32))
     np.testing.assert_allclose(y[0, 0], [7.0, math.cos(3), math.sin(3)], rtol=1e-6)
@@ -102,11 +102,11 @@ def test_rope_by_hand():
 
 
 def test_rope_rejects_mismatched_positions(getkey):
-    rope = ed.RoPE(8, 10000.0)
+    rope = ed.nn.RoPE(8, 10000.0)
     with pytest.raises(ValueError, match="prefix"):
         rope(jnp.zeros((2, 5, 16)), jnp.zeros((2, 4), jnp.int32))
     with pytest.raises(ValueError, match="positive even"):
-        ed.RoPE(7, 10000.0)
+        ed.nn.RoPE(7, 10000.0)
 
 
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (3,)])

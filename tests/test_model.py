@@ -2,6 +2,7 @@
 built from transformers' components, the scan / unrolled paths, and the full-size shapes."""
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -32,7 +33,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 from equinox_dsv4 import _model
-from equinox_dsv4._model import _check_ids
+from equinox_dsv4._model import LayerStack, _check_ids
 
 
 # Together: hc_mult 4 and 2; YaRN and plain compress rope; hash layers followed by learned ones;
@@ -133,7 +134,7 @@ def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
     taken = _count_layer_slices(monkeypatch)
     config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
     scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
-    assert isinstance(scanned.layers[0], ed.LayerStack) and scanned.layers[0].repeats == 3
+    assert isinstance(scanned.layers[0], LayerStack) and scanned.layers[0].repeats == 3
     skeleton = abstract(ed.DeepseekV4, dataclasses.replace(config, scan_layers=False))
     unrolled = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(scanned))
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 12)), jnp.int32)
@@ -425,7 +426,7 @@ def test_bf16_decode_step_does_not_widen_the_layer_stack():
     config = dataclasses.replace(flash_shaped_tiny(), moe_intermediate_size=64)
     model = abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16)
     stack = model.layers[3]
-    assert isinstance(stack, ed.LayerStack) and stack.repeats == 20
+    assert isinstance(stack, LayerStack) and stack.repeats == 20
     widened = sum(4 * a.size for a in jax.tree.leaves(stack))
     assert decode_temporaries(model) < widened / 4
 
@@ -468,7 +469,7 @@ def test_unrolled_stack_takes_each_layer_when_it_runs(kind, monkeypatch):
             scan_layers=False,
         )
         model = abstract(ed.DeepseekV4, config)
-        assert isinstance(model.layers[0], ed.LayerStack) and model.layers[0].repeats == layers
+        assert isinstance(model.layers[0], LayerStack) and model.layers[0].repeats == layers
         ids = jax.ShapeDtypeStruct((1, 256 if kind == "prefill" else 1), jnp.int32)
 
         def run(model, ids):
@@ -481,3 +482,27 @@ def test_unrolled_stack_takes_each_layer_when_it_runs(kind, monkeypatch):
 
     taken = _count_layer_slices(monkeypatch)
     assert temporaries(6) < 1.3 * temporaries(2)
+
+
+def test_public_surface():
+    assert len(set(ed.__all__)) == len(ed.__all__)
+    assert all(hasattr(ed, name) for name in ed.__all__)
+    for internal in ("LayerStack", "Segment", "attend", "CompressorState", "LayerCache", "Gate"):
+        assert not hasattr(ed, internal), internal
+    assert all(issubclass(getattr(ed.nn, name), eqx.Module) for name in ed.nn.__all__)
+
+
+def test_profiles_read_by_component():
+    model = abstract(ed.DeepseekV4, ed.Config.tiny())
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    lowered = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids, cache)
+    names = set(re.findall(r'loc\("([^"]+)"', lowered.as_text(debug_info=True)))
+    for scope in (
+        "block/attention/",
+        "block/attention/compressor/",
+        "block/attention/indexer/",
+        "block/attention/indexer/compressor/",
+        "block/moe/",
+    ):
+        assert any(n.startswith(scope) for n in names), scope

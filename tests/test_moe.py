@@ -23,6 +23,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
+from equinox_dsv4._moe import Gate
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -41,7 +42,7 @@ def test_moe_matches_reference(getkey, layer, scoring):
     if scoring in SCORE_FNS:
         reference.gate.score_fn = SCORE_FNS[scoring]
     ours = load_component(
-        abstract(ed.MoE, config, config.mlp_layer_types[layer]),
+        abstract(ed.nn.MoE, config, config.mlp_layer_types[layer]),
         reference,
         f"model.layers.{layer}.mlp.",
         ".ffn",
@@ -55,7 +56,7 @@ def test_moe_matches_reference(getkey, layer, scoring):
 
 def test_router_selects_with_bias_but_weights_without(getkey):
     config = tiny_config(n_routed_experts=4, num_experts_per_tok=1, routed_scaling_factor=1.0)
-    gate = random_fill(abstract(ed.Gate, config, False), 1)
+    gate = random_fill(abstract(Gate, config, False), 1)
     x = jax.random.normal(getkey(), (5, config.hidden_size))
     scores = np.sqrt(np.log1p(np.exp(np.asarray(x @ gate.weight.T))))
     # A large bias on expert 2 forces its selection; the weight is still its unbiased score,
@@ -68,9 +69,7 @@ def test_router_selects_with_bias_but_weights_without(getkey):
     config = tiny_config(
         n_routed_experts=4, num_experts_per_tok=1, routed_scaling_factor=2.0, norm_topk_prob=False
     )
-    gate2 = eqx.tree_at(
-        lambda g: g.bias, random_fill(abstract(ed.Gate, config, False), 2), gate.bias
-    )
+    gate2 = eqx.tree_at(lambda g: g.bias, random_fill(abstract(Gate, config, False), 2), gate.bias)
     gate2 = eqx.tree_at(lambda g: g.weight, gate2, gate.weight)
     weights, _ = gate2(x, jnp.zeros((5,), jnp.int32))
     np.testing.assert_allclose(weights[:, 0], 2.0 * scores[:, 2], rtol=1e-5)
@@ -78,7 +77,7 @@ def test_router_selects_with_bias_but_weights_without(getkey):
 
 def test_hash_router_uses_token_ids(getkey):
     config = tiny_config()
-    gate = random_fill(abstract(ed.Gate, config, True), 3)
+    gate = random_fill(abstract(Gate, config, True), 3)
     ids = jnp.array([5, 5, 17], jnp.int32)
     _, indices = gate(jax.random.normal(getkey(), (3, config.hidden_size)), ids)
     np.testing.assert_array_equal(indices, gate.tid2eid[ids])
@@ -104,7 +103,7 @@ def _dense_reference(experts, x, indices, weights, limit):
 )
 def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
     config = tiny_config(n_routed_experts=experts, num_experts_per_tok=top_k, swiglu_limit=0.7)
-    layer = random_fill(abstract(ed.Experts, config), 4)
+    layer = random_fill(abstract(ed.nn.Experts, config), 4)
     layer = jax.tree.map(lambda w: w * 5, layer)  # large enough for the clamp to bite
     x = jax.random.normal(getkey(), (tokens, config.hidden_size))
     indices = jax.vmap(lambda k: jax.random.permutation(k, experts)[:top_k])(
@@ -124,7 +123,7 @@ def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
 def test_decode_dispatch_drops_out_of_range_experts(getkey, gather):
     # Expert parallelism marks the assignments to other devices' experts with index E.
     config = tiny_config(n_routed_experts=8, num_experts_per_tok=3, swiglu_limit=0.7)
-    layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.Experts, config), 7))
+    layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.nn.Experts, config), 7))
     x = jax.random.normal(getkey(), (2, config.hidden_size))
     indices = jnp.array([[8, 2, 5], [7, 8, 8]], jnp.int32)
     weights = jax.random.uniform(getkey(), (2, 3))
@@ -140,7 +139,7 @@ def test_decode_dispatch_drops_out_of_range_experts(getkey, gather):
 
 def test_all_tokens_on_one_expert(getkey):
     config = tiny_config(n_routed_experts=8, num_experts_per_tok=1)
-    layer = random_fill(abstract(ed.Experts, config), 5)
+    layer = random_fill(abstract(ed.nn.Experts, config), 5)
     x = jax.random.normal(getkey(), (50, config.hidden_size))
     indices = jnp.full((50, 1), 5, jnp.int32)
     weights = jnp.ones((50, 1))
@@ -154,7 +153,7 @@ def test_expert_loop_gradient_matches_dense(getkey):
     # rows run as one 128-row block and then 16-row ones. Expert 3 gets no token.
     tokens, experts, top_k, limit = 700, 8, 2, 0.7
     config = tiny_config(n_routed_experts=experts, num_experts_per_tok=top_k)
-    layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.Experts, config), 6))
+    layer = jax.tree.map(lambda w: w * 5, random_fill(abstract(ed.nn.Experts, config), 6))
     x = jax.random.normal(getkey(), (tokens, config.hidden_size))
     others = jnp.array([0, 1, 2, 4, 5, 6, 7])
     indices = jax.vmap(lambda k: others[jax.random.permutation(k, 7)[:top_k]])(

@@ -134,7 +134,7 @@ def _expert_flops(experts: int, top_k: int, tokens: int = 4) -> float:
     # Few tokens: no more blocks than experts, so the dispatch runs one block per (token,
     # expert) assignment, each a matmul with that block's expert only.
     config = tiny_config(n_routed_experts=experts, num_experts_per_tok=top_k)
-    layer = abstract(ed.Experts, config)
+    layer = abstract(ed.nn.Experts, config)
     x = jax.ShapeDtypeStruct((tokens, config.hidden_size), jnp.float32)
     indices = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32)
     weights = jax.ShapeDtypeStruct((tokens, top_k), jnp.float32)

@@ -121,7 +121,7 @@ def test_loss_terms_worked_out_by_hand():
 
 def test_balance_statistics_worked_out_by_hand():
     config = tiny_config(layer_types=(C,), num_hash_layers=0)
-    moe = random_fill(abstract(ed.MoE, config, ed.MOE), seed=2)
+    moe = random_fill(abstract(ed.nn.MoE, config, ed.MOE), seed=2)
     b, s, e, k = 2, 6, config.n_routed_experts, config.num_experts_per_tok
     x = jnp.asarray(np.random.default_rng(2).normal(size=(b, s, config.hidden_size)), jnp.float32)
     _, stats = moe.with_stats(x, jnp.zeros((b, s), jnp.int32))
