@@ -32,11 +32,11 @@ from ._layers import (
     lead,
     linear,
     map_chunks,
-    narrow_on_cpu,
     rms_normalize,
     set_rows,
 )
 from ._parallel import mesh_axis
+from ._policy import narrow_on_cpu
 from ._rope import RoPE
 
 

@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import KVCache
 from ._model import DeepseekV4
 from ._parallel import mesh_axis
+from ._policy import target_platform
 from ._sharding import shard_cache
 
 
@@ -64,9 +65,7 @@ def _blocked_argmax_pays(logits: Array) -> bool:
     # XLA:CPU's argmax is the slow one; elsewhere, and with the vocabulary split over `tensor`
     # (whose blocks would need the logits gathered) or float64 logits (which the int32 key
     # cannot order), plain argmax.
-    return (
-        jax.default_backend() == "cpu" and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4
-    )
+    return target_platform() == "cpu" and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4
 
 
 def _order_key(x: Float[Array, "*shape"]) -> Int[Array, "*shape"]:

@@ -16,6 +16,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._parallel import batch_axes
+from ._policy import narrow_on_cpu
 
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
@@ -108,15 +109,6 @@ def _normalized(x: Array, eps: float) -> Array:
 def rms_normalize(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*batch dim"]:
     """Unweighted RMS normalisation over the last axis, computed in float32, cast back."""
     return _normalized(x, eps).astype(x.dtype)
-
-
-def narrow_on_cpu(*arrays: Array) -> bool:
-    """Whether any of `arrays` holds 16-bit floats and the backend is XLA:CPU, which computes
-    most 16-bit operations in float32, converting their operands first (benchmarks/NOTES.md,
-    items 17 and 18)."""
-    return jax.default_backend() == "cpu" and any(
-        jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays
-    )
 
 
 # Up to this many rows `set_rows` writes a 16-bit float array on XLA:CPU with one dynamic

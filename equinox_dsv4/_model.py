@@ -15,10 +15,11 @@ from ._cache import KVCache, LayerCache
 from ._config import MOE, SLIDING, Config
 from ._experts import in_layer_stack
 from ._hyper import HyperHead
-from ._layers import Embedding, Linear, RMSNorm, narrow_on_cpu, zeros_after
+from ._layers import Embedding, Linear, RMSNorm, zeros_after
 from ._moe import RouterStats
 from ._parallel import constrain_batch
 from ._plan import LayerPlan, Segment
+from ._policy import narrow_on_cpu
 
 
 # `remat` policies for training: what a layer keeps for the backward pass (the rest is

@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -279,27 +280,40 @@ def make_train_step(
             "mtp": aux.get("mtp", zero),
             "balance": aux.get("balance", zero),
             "tokens": aux["tokens"],
-            "grad_norm": optax.tree.norm(grads),
+            # In float32: bf16 and float32 gradients (norms, mHC, sinks) do not mix implicitly.
+            "grad_norm": optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads)),
             "load": [s.load for _, s in _all_stats(model, aux["stats"])],
         }
         return TrainState(model, opt_state, state.step + 1), metrics
 
-    # The batch goes first so that "all-except-first" donates exactly the state.
-    return TrainStep(eqx.filter_jit(step, donate="all-except-first" if donate else "none"))
+    return TrainStep(step, donate)
 
 
 class TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted; `step.lower(state, batch)` gives the
-    lowered program (for `.compile().memory_analysis()`)."""
+    lowered program (for `.compile().memory_analysis()`), from arrays or from
+    `jax.ShapeDtypeStruct`s (e.g. `eqx.filter_eval_shape` of a full-size state, with shardings
+    on a mesh of another platform's devices)."""
 
-    def __init__(self, jitted: Any):
-        self._jitted = jitted
+    def __init__(self, step: Callable[[Batch, TrainState], Any], donate: bool):
+        # The batch goes first so that "all-except-first" donates exactly the state.
+        self._step, self._donate = step, donate
+        self._jitted = eqx.filter_jit(step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
         return self._jitted(batch, state)
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
-        return self._jitted.lower(batch, state).lowered
+        def is_leaf(x: Any) -> bool:
+            return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+        (dynamic_batch, dynamic_state), static = eqx.partition((batch, state), is_leaf)
+
+        def step(dynamic_batch: Any, dynamic_state: Any) -> Any:
+            return self._step(*eqx.combine((dynamic_batch, dynamic_state), static))
+
+        donate = (1,) if self._donate else ()
+        return jax.jit(step, donate_argnums=donate).lower(dynamic_batch, dynamic_state)
 
 
 _STATE_FORMAT = 1

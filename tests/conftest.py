@@ -2,6 +2,9 @@ import gc
 import os
 
 
+# The tests run on the CPU. libtpu (a test dependency, for compiling to TPU topologies) would
+# otherwise make JAX probe for a TPU at start-up; topologies work without that.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight simulated CPU devices for the sharding tests; must be set before JAX initialises.
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
