@@ -9,7 +9,7 @@ import pytest
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
-from equinox_dsv4._model import LayerStack
+from equinox_dsv4._stack import LayerStack
 
 
 CONFIGS = {

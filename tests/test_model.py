@@ -32,8 +32,9 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4 import _model
-from equinox_dsv4._model import LayerStack, _check_ids
+from equinox_dsv4 import _stack
+from equinox_dsv4._model import _check_ids
+from equinox_dsv4._stack import LayerStack
 
 
 # Together: hc_mult 4 and 2; YaRN and plain compress rope; hash layers followed by learned ones;
@@ -130,7 +131,7 @@ def test_scan_and_unrolled_give_identical_logits(models):
 
 def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
     # Unrolled, each layer's slice of the stacked weights has a hand-written derivative (the
-    # static slice's, `_model._index`); the scan's is JAX's own.
+    # static slice's, `_stack._index`); the scan's is JAX's own.
     taken = _count_layer_slices(monkeypatch)
     config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
     scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
@@ -161,7 +162,7 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
     for r in range(3):
 
         def ours(a, r=r):
-            return jnp.sin(ed._model._layer_after(r, a, after))
+            return jnp.sin(ed._stack._layer_after(r, a, after))
 
         def static(a, r=r):
             return jnp.sin(a[r])
@@ -177,13 +178,13 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
 
 def _count_layer_slices(monkeypatch) -> list[int]:
     # The layers an unrolled stack takes out of its stacked weights, as they are traced.
-    taken, take = [], ed._model._layer_after
+    taken, take = [], ed._stack._layer_after
 
     def counted(r, *args):
         taken.append(r)
         return take(r, *args)
 
-    monkeypatch.setattr(ed._model, "_layer_after", counted)
+    monkeypatch.setattr(ed._stack, "_layer_after", counted)
     return taken
 
 
@@ -414,7 +415,7 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan(models, monkeypatch):
         return decode(model, ids)
 
     carried = run()
-    monkeypatch.setattr(_model, "_loop_widens", lambda stacks: False)
+    monkeypatch.setattr(_stack, "_loop_widens", lambda stacks: False)
     np.testing.assert_allclose(carried, run(), atol=1e-6, rtol=1e-6)
 
 
