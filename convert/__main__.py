@@ -42,19 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    warnings.showwarning = _one_line
-    try:
-        summary = convert(
-            args.hf_dir,
-            args.out_dir,
-            dtype=jnp.dtype(args.dtype),
-            load_mtp=False if args.no_mtp else None,
-            layers=args.layers,
-            progress=not args.quiet,
-        )
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings():  # restores the default display afterwards
+        warnings.showwarning = _one_line
+        try:
+            summary = convert(
+                args.hf_dir,
+                args.out_dir,
+                dtype=jnp.dtype(args.dtype),
+                load_mtp=False if args.no_mtp else None,
+                layers=args.layers,
+                progress=not args.quiet,
+            )
+        except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     print(
         f"converted {summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB in "
         f"{summary['seconds']:.1f} s ({summary['bytes'] / 2**20 / summary['seconds']:.1f} MiB/s); "

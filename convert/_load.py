@@ -132,7 +132,8 @@ def plan(
     config = ed.Config.from_json(hf_dir / "config.json")
     problems: list[str] = []
     tensors = list_tensors(hf_dir, problems)
-    load_mtp = _resolve_mtp(config, tensors, load_mtp, problems)
+    targets = {name: hf_to_canonical(name) or ((name, Transform()),) for name in tensors}
+    load_mtp = _resolve_mtp(config, tensors, targets, load_mtp, problems)
     if not load_mtp:
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
     if layers is not None:
@@ -149,7 +150,7 @@ def plan(
             problems.append(f"{name!r}: a scale without its weight {owner!r}")
             continue
         scale = tensors.get(scales.get(name, ""))
-        for canonical, transform in _targets(name):
+        for canonical, transform in targets[name]:
             if _skipped(canonical, load_mtp, layers):
                 continue
             shape = _logical_shape(info, scale, block, problems)
@@ -173,13 +174,10 @@ def plan(
 _NO_MTP_HINT = "to load without the MTP block, pass load_mtp=False (python -m convert: --no-mtp)"
 
 
-def _targets(name: str) -> tuple[tuple[str, Transform], ...]:
-    return hf_to_canonical(name) or ((name, Transform()),)
-
-
 def _resolve_mtp(
     config: ed.Config,
     tensors: dict[str, TensorInfo],
+    targets: dict[str, tuple[tuple[str, Transform], ...]],
     load_mtp: bool | None,
     problems: list[str],
 ) -> bool:
@@ -187,13 +185,14 @@ def _resolve_mtp(
     by default while its model has none, so every checkpoint its `save_pretrained` writes says
     "one MTP layer" and holds no `mtp.*` tensor: with `load_mtp=None` such a checkpoint loads
     without the block (with a `MTPSkippedWarning`). A release-layout checkpoint missing the
-    MTP its config announces is damaged, and stays an error (appended to `problems`)."""
+    MTP its config announces is damaged, and stays an error (appended to `problems`).
+    `targets`: each tensor's canonical names."""
     announced = config.num_nextn_predict_layers
     if load_mtp is False:
         return False
     if announced == 0:
         return True  # any mtp.* tensor is then reported as unexpected
-    if any(c.startswith("mtp.") for n in tensors for c, _ in _targets(n)):
+    if any(c.startswith("mtp.") for named in targets.values() for c, _ in named):
         return True
     if not any(n.startswith(("model.", "lm_head.")) for n in tensors):
         problems.append(

@@ -315,11 +315,7 @@ class DeepseekV4(eqx.Module):
 # `__call__` and `decode` run through these: one compiled program per shape, inlined when the
 # caller is already being traced.
 _jitted_call = eqx.filter_jit(lambda model, ids: model.logits(model.streams(ids)))
-_jitted_decode = eqx.filter_jit(
-    lambda model, ids, cache, num_tokens, last_only: model._decode(
-        ids, cache, num_tokens, last_only
-    )
-)
+_jitted_decode = eqx.filter_jit(DeepseekV4._decode)
 
 
 def _check_ids(ids: Array) -> None:
