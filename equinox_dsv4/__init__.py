@@ -37,6 +37,7 @@ from ._generate import (
 from ._model import REMAT_POLICIES as REMAT_POLICIES, DeepseekV4 as DeepseekV4
 from ._moe import RouterStats as RouterStats
 from ._plan import LayerPlan as LayerPlan
+from ._policy import Policy as Policy
 from ._sharding import (
     ShardingRules as ShardingRules,
     logical_axes as logical_axes,
@@ -70,6 +71,7 @@ __all__ = [
     "Config",
     "YarnScaling",
     "LayerPlan",
+    "Policy",
     "SLIDING",
     "CSA",
     "HCA",

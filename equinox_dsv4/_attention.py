@@ -36,7 +36,7 @@ from ._layers import (
     set_rows,
 )
 from ._parallel import mesh_axis
-from ._policy import narrow_on_cpu
+from ._policy import Policy, resolve
 from ._rope import RoPE
 
 
@@ -46,10 +46,6 @@ GATHER_MAX_QUERIES = 16
 # Query blocks (of `window` queries) attended per step of a long chunk: bounds the logits held
 # at once to `BLOCKS_PER_STEP * window` queries.
 BLOCKS_PER_STEP = 4
-# Up to this many tokens the grouped output projection is one batched einsum over `wo_a`
-# instead of a matmul per group, whose weight slices XLA:CPU copies out of `wo_a` first. Not
-# for bf16 on XLA:CPU, which would convert all of `wo_a` to float32 for a one-row product.
-_FEW_TOKENS = 16
 
 
 def _rows(x: Array, index: Array) -> Array:
@@ -69,6 +65,8 @@ def attend(
     compressed: Float[Array, "batch entries head_dim"] | None = None,
     compressed_mask: Bool[Array, "batch seq entries"] | None = None,
     compressed_picks: Int[Array, "batch seq topk"] | None = None,
+    *,
+    policy: Policy | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of a chunk of queries over their sliding window, plus compressed
     entries, plus a per-head sink.
@@ -81,7 +79,8 @@ def attend(
 
     Long chunks are processed in blocks of `window` queries, each against `2 * window` keys,
     so the cost is linear in the chunk length. Logits and softmax are float32; probabilities
-    are cast to the value dtype for the value matmul, which accumulates in float32.
+    are cast to the value dtype for the value matmul, which accumulates in float32. `policy`
+    lays out the products (`None`: the target platform's).
     """
     b, t, h, k = q.shape
     w = window
@@ -131,26 +130,28 @@ def attend(
         c_keys, c_valid = None, jnp.zeros((b, nb, bq, 0), jnp.bool_)
 
     def blocks(qb, keys, valid, c_valid, *c_keys):
-        logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys)
+        logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys, policy=policy)
         logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
         top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
         if c_keys:  # picked entries, one set per query
-            c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0])
+            c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0], policy=policy)
         elif use_compressed:
-            c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed)
+            c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed, policy=policy)
         if use_compressed:
             c_logits = jnp.where(c_valid[:, :, :, None], c_logits * scale, -jnp.inf)
             top = jnp.maximum(top, jnp.max(c_logits, axis=-1, keepdims=True))
         probs = jnp.exp(logits - top)
         denom = jnp.sum(probs, axis=-1, keepdims=True) + jnp.exp(sink - top)
-        out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(kv.dtype), keys)
+        out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(kv.dtype), keys, policy=policy)
         if use_compressed:
             c_probs = jnp.exp(c_logits - top)
             denom = denom + jnp.sum(c_probs, axis=-1, keepdims=True)
             if c_keys:
-                c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs.astype(kv.dtype), c_keys[0])
+                c_probs = c_probs.astype(kv.dtype)
+                c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs, c_keys[0], policy=policy)
             else:
-                c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs.astype(kv.dtype), compressed)
+                c_probs = c_probs.astype(kv.dtype)
+                c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs, compressed, policy=policy)
             out = out + c_out
         return out / denom
 
@@ -244,16 +245,20 @@ class Attention(eqx.Module):
             indexer = self.indexer.empty_state(batch, max_len, dtype)
         return LayerCache(ring, compressor, indexer)
 
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch seq d_model"]:
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], *, policy: Policy | None = None
+    ) -> Float[Array, "batch seq d_model"]:
         """**Arguments:** `x`, the normed block input `[batch, seq, d_model]` at positions
-        `0 .. seq-1` (a full causal forward).
+        `0 .. seq-1` (a full causal forward); `policy`, the execution `Policy` (default: the
+        one for `x`'s platform).
 
         **Returns:** the attention output `[batch, seq, d_model]` in `x.dtype`.
         """
         b, s, _ = x.shape
         start = jnp.zeros((b,), jnp.int32)
         cache = self.init_cache(b, s, x.dtype)
-        return self.step(x, start, jnp.full((b,), s, jnp.int32), cache)[0]
+        count = jnp.full((b,), s, jnp.int32)
+        return self.step(x, start, count, cache, policy=resolve(policy, x))[0]
 
     @jax.named_scope("attention")
     def step(
@@ -262,6 +267,8 @@ class Attention(eqx.Module):
         start: Int[Array, " batch"],
         count: Int[Array, " batch"],
         cache: LayerCache,
+        *,
+        policy: Policy,
     ) -> tuple[Float[Array, "batch chunk d_model"], LayerCache]:
         """Attention for a chunk of tokens appended to `cache`.
 
@@ -272,6 +279,7 @@ class Attention(eqx.Module):
         - `count`: how many of the chunk's tokens are real, per sequence (the rest is padding:
           computed, but neither cached nor visible to real tokens).
         - `cache`: this layer's state.
+        - `policy`: the execution `Policy`.
 
         **Returns:** `(output, cache)`: the output `[batch, chunk, d_model]` in `x.dtype` and the
         state with the chunk's real tokens appended.
@@ -279,10 +287,10 @@ class Attention(eqx.Module):
         b, t, _ = x.shape
         w = self.window
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).reshape(b, t, self.n_heads, self.head_dim)
+        qr = self.q_norm(self.wq_a(x, policy=policy))
+        q = self.wq_b(qr, policy=policy).reshape(b, t, self.n_heads, self.head_dim)
         q = self.rope(rms_normalize(q, self.eps), positions)
-        kv = self.rope(self.kv_norm(self.wkv(x)), positions)
+        kv = self.rope(self.kv_norm(self.wkv(x, policy=policy)), positions)
 
         # The ring holds position p in slot p % w: the window before the chunk, oldest first.
         before = start[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
@@ -291,45 +299,51 @@ class Attention(eqx.Module):
         write = (i < count[:, None]) & (i >= count[:, None] - w)
         slot = jnp.where(write, positions % w, w)  # w: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
-        ring = set_rows(cache.ring, (rows, slot), kv)
+        ring = set_rows(cache.ring, (rows, slot), kv, policy=policy)
 
         compressor_state = indexer_state = None
         compressed = mask = picks = None
         if self.compressor is not None:
             assert cache.compressor is not None
-            compressor_state = self.compressor.step(x, start, count, cache.compressor)
+            compressor_state = self.compressor.step(
+                x, start, count, cache.compressor, policy=policy
+            )
             compressed = compressor_state.layer_entries
             if self.indexer is not None:
                 assert cache.indexer is not None
-                picks, indexer_state = self.indexer.step(x, qr, start, count, cache.indexer)
+                picks, indexer_state = self.indexer.step(
+                    x, qr, start, count, cache.indexer, policy=policy
+                )
                 if t > GATHER_MAX_QUERIES:
                     mask, picks = selection_mask(picks, compressed.shape[1]), None
             else:
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)
                 visible = visible_blocks(positions, self.compressor.ratio)
                 mask = entry[None, None, :] < visible[..., None]
-        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks)
-        out = self.project_out(self.rope(o, positions, inverse=True))
+        o = attend(
+            q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, policy=policy
+        )
+        out = self.project_out(self.rope(o, positions, inverse=True), policy=policy)
         return out, LayerCache(ring, compressor_state, indexer_state)
 
     def project_out(
-        self, o: Float[Array, "batch seq heads head_dim"]
+        self, o: Float[Array, "batch seq heads head_dim"], *, policy: Policy | None = None
     ) -> Float[Array, "batch seq d_model"]:
         """Grouped low-rank output projection: contiguous head groups through the block-diagonal
-        `wo_a`, then `wo_b`."""
+        `wo_a`, then `wo_b`; `policy` lays it out (default: the one for `o`'s platform)."""
+        policy = resolve(policy, o)
         b, s = o.shape[:2]
         g = self.o_groups
         grouped = o.reshape(b, s, g, -1)
         wo_a = self.wo_a.weight.reshape(g, -1, grouped.shape[-1]).astype(o.dtype)
-        if mesh_axis("tensor") > 1 or (b * s <= _FEW_TOKENS and not narrow_on_cpu(o)):
+        if mesh_axis("tensor") > 1 or not policy.per_group_projection(o):
             # Groups split over `tensor` (ShardingRules): one einsum, each device its groups.
-            # Decode steps take it too (`_FEW_TOKENS`; benchmarks/NOTES.md, Round 9).
             z = jnp.einsum("bsgi,goi->bsgo", grouped, wo_a)
         else:
-            # One plain matmul per group: XLA:CPU runs the batched einsum as per-token
-            # matmuls and took 1.3x as long (2048 tokens, benchmarks/NOTES.md).
-            z = jnp.stack([linear(grouped[:, :, i], wo_a[i]) for i in range(g)], axis=2)
-        return self.wo_b(z.reshape(b, s, -1))
+            z = jnp.stack(
+                [linear(grouped[:, :, i], wo_a[i], policy=policy) for i in range(g)], axis=2
+            )
+        return self.wo_b(z.reshape(b, s, -1), policy=policy)
 
 
 def selection_mask(

@@ -13,6 +13,7 @@ from ._config import Config
 from ._hyper import HyperConnection
 from ._layers import RMSNorm
 from ._moe import MoE, RouterStats
+from ._policy import Policy, resolve
 
 
 class Block(eqx.Module):
@@ -55,25 +56,35 @@ class Block(eqx.Module):
         self.hc_ffn = HyperConnection(config, key=hf_key)
 
     def __call__(
-        self, x: Float[Array, "batch seq streams d_model"], ids: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq streams d_model"],
+        ids: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "batch seq streams d_model"]:
         """**Arguments:**
 
         - `x`: the residual streams at positions `0 .. seq-1`.
         - `ids`: the token ids (hash routing reads them).
+        - `policy`: the execution `Policy` (default: the one for `x`'s platform).
 
         **Returns:** the updated streams, in `x.dtype`.
         """
-        return self.with_stats(x, ids)[0]
+        return self.with_stats(x, ids, policy=policy)[0]
 
     def with_stats(
-        self, x: Float[Array, "batch seq streams d_model"], ids: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq streams d_model"],
+        ids: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> tuple[Float[Array, "batch seq streams d_model"], RouterStats]:
         """As `__call__`, plus the MoE's `RouterStats`."""
         b, s = ids.shape
         cache = self.attn.init_cache(b, s, x.dtype)
         start = jnp.zeros((b,), jnp.int32)
-        x, _, stats = self.step(x, ids, start, jnp.full((b,), s, jnp.int32), cache)
+        count = jnp.full((b,), s, jnp.int32)
+        x, _, stats = self.step(x, ids, start, count, cache, policy=resolve(policy, x))
         return x, stats
 
     @jax.named_scope("block")
@@ -84,14 +95,17 @@ class Block(eqx.Module):
         start: Int[Array, " batch"],
         count: Int[Array, " batch"],
         cache: LayerCache,
+        *,
+        policy: Policy,
     ) -> tuple[Float[Array, "batch chunk streams d_model"], LayerCache, RouterStats]:
-        """The block on a chunk appended to `cache` (see `Attention.step`).
+        """The block on a chunk appended to `cache` (see `Attention.step`), laid out by
+        `policy`.
 
         **Returns:** `(streams, cache, stats)`, `stats` being the MoE's `RouterStats`.
         """
         u, post, comb = self.hc_attn(x)
-        a, cache = self.attn.step(self.attn_norm(u), start, count, cache)
+        a, cache = self.attn.step(self.attn_norm(u), start, count, cache, policy=policy)
         x = self.hc_attn.mix(a, x, post, comb)
         u, post, comb = self.hc_ffn(x)
-        f, stats = self.ffn.with_stats(self.ffn_norm(u), ids)
+        f, stats = self.ffn.with_stats(self.ffn_norm(u), ids, policy=policy)
         return self.hc_ffn.mix(f, x, post, comb), cache, stats

@@ -8,17 +8,16 @@ Per layer (`LayerCache`):
   next entry pools it), and the emitted entries, preallocated to `max_len // ratio`;
 - for CSA layers, the Lightning Indexer's own `CompressorState` (its entries are the index keys).
 
-`KVCache` holds one `LayerCache` per unrolled block and, for a scanned `LayerStack`, one per
-period position with a leading `repeats` axis, so the cache scans with the weights; plus the
-number of tokens each sequence has in the cache. Nothing here is a Python-level branch on
+`KVCache` holds, per `LayerStack` of the plan, one `LayerCache` per period position with a
+leading `repeats` axis (1 for a layer on its own), so the cache travels with the weights; plus
+the number of tokens each sequence has in the cache. Nothing here is a Python-level branch on
 values: every shape is fixed by `(batch, max_len)`, so decoding never recompiles.
 
 A decode step through a stack keeps the compressed entries, the arrays that grow with the
 context, as whole stacks and writes each layer's new ones into them in place (`LayerCache.split`
 / `join`, `CompressorState.layer`); the fixed-size rest of each layer's state is sliced out
-and stacked anew, as the layer's weights are. Sliced out and stacked anew too, the entries were
-copied every token (43 layers at a 64k context: 285 MiB of temporaries per step against a 263
-MiB cache; benchmarks/NOTES.md, items 31 and 32).
+and stacked anew, as the layer's weights are. (Sliced out and stacked anew too, the entries
+would be copied on every token.)
 """
 
 import equinox as eqx
@@ -30,6 +29,7 @@ from jaxtyping import Array, Float, Int
 
 from ._config import CSA, HCA, SLIDING, Config
 from ._layers import set_rows
+from ._policy import Policy
 
 
 class CompressorState(eqx.Module):
@@ -46,7 +46,7 @@ class CompressorState(eqx.Module):
     prev_kv: Float[Array, "batch ratio head_dim"] | None
     prev_gate: Float[Array, "batch ratio head_dim"] | None
     entries: Float[Array, "*layers batch blocks head_dim"]
-    layer: Int[Array, ""] | None = None
+    layer: Int[Array, ""] | int | None = None
 
     @property
     def layer_entries(self) -> Float[Array, "batch blocks head_dim"]:
@@ -59,10 +59,12 @@ class CompressorState(eqx.Module):
         self,
         index: tuple[Int[Array, "..."], Int[Array, "..."]],
         values: Float[Array, "... head_dim"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "*layers batch blocks head_dim"]:
         """`entries` with this layer's entries `index = (sequences, blocks)` set to `values`
         (see `set_rows`: an index past the end writes nothing)."""
-        return set_rows(self.entries, index, values, layer=self.layer)
+        return set_rows(self.entries, index, values, layer=self.layer, policy=policy)
 
     @classmethod
     def empty(
@@ -109,7 +111,9 @@ class LayerCache(eqx.Module):
         return entries, self._with_states(cut(self.compressor), cut(self.indexer))
 
     def join(
-        self, entries: tuple[Array | None, Array | None], layer: Int[Array, ""] | None = None
+        self,
+        entries: tuple[Array | None, Array | None],
+        layer: Int[Array, ""] | int | None = None,
     ) -> "LayerCache":
         """The inverse of `split`: this cache (`split`'s rest) with `entries`. With `layer`, the
         entries are a stack's, `[layers, ...]`, and the result is a view of layer `layer` of it
@@ -138,7 +142,7 @@ def _none(x) -> bool:
     return x is None
 
 
-def _index(a: Array, i: Array) -> Array:
+def _index(a: Array, i: Array | int) -> Array:
     return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
 
 
@@ -146,7 +150,7 @@ class KVCache(eqx.Module):
     """The whole model's decoding state (see the module docstring). Build it with
     `DeepseekV4.init_cache`; `DeepseekV4.decode` returns the updated one."""
 
-    layers: tuple[LayerCache | tuple[LayerCache, ...], ...]
+    layers: tuple[tuple[LayerCache, ...], ...]
     positions: Int[Array, " batch"]
     max_len: int = eqx.field(static=True)
 

@@ -7,8 +7,8 @@ Canonical names are the official DeepSeek-V4 release names (flat, no `model.` pr
 
 Module attributes follow the official names, so a canonical name is mostly its own pytree path;
 the exceptions are the mHC parameters (`hc_attn_fn` -> `hc_attn.fn`), the expert stacks, the
-layer index (resolved through the model's `LayerPlan` to an unrolled block or a slot of a
-scanned stack) and the MTP block's inner decoder block.
+layer index (resolved through the model's `LayerPlan` to a slot of a layer stack) and the MTP
+block's inner decoder block.
 
 A saved model is a directory with `config.json` (transformers flavour), `equinox_dsv4.json`
 (format version, parameter dtype, execution fields) and `weights/`: orbax checkpoints
@@ -90,9 +90,7 @@ def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]]
             return None
         segment, position, repeat = plan.locate(layer)
         path, index = block_path(m[2])
-        if plan.segments[segment].scanned:
-            return f".layers[{segment}].blocks[{position}]{path}", (repeat, *index)
-        return f".layers[{segment}]{path}", index
+        return f".layers[{segment}].blocks[{position}]{path}", (repeat, *index)
     if m := _MTP.fullmatch(name):
         depth, rest = int(m[1]), m[2]
         if rest in _MTP_OWN:
@@ -111,7 +109,7 @@ def _block_rest(path: str) -> str:
 
 
 def canonical_pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
-    """`(canonical name, array)` for every weight of `model`, one per layer (scanned stacks are
+    """`(canonical name, array)` for every weight of `model`, one per layer (layer stacks are
     split; routed experts stay stacked per layer)."""
     plan = model.plan
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
@@ -125,8 +123,6 @@ def canonical_pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
                 else:
                     piece = leaf[repeat]
                 yield f"layers.{layer}.{_block_rest(m[3])}", piece
-        elif m := re.fullmatch(r"\.layers\[(\d+)\](.+)", key):
-            yield f"layers.{plan.segments[int(m[1])].start}.{_block_rest(m[2])}", leaf
         elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.block(.+)", key):
             yield f"mtp.{m[1]}.{_block_rest(m[2])}", leaf
         elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.hc_head\.(fn|base|scale)", key):

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import CompressorState
 from ._config import Config
 from ._layers import Linear, RMSNorm
+from ._policy import Policy, resolve
 from ._rope import RoPE
 
 
@@ -106,15 +107,19 @@ class AbstractCompressor(eqx.Module):
     def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
         return CompressorState.empty(batch, max_len, self.ratio, self.head_dim, self.overlap, dtype)
 
-    def __call__(self, x: Float[Array, "batch seq d_model"]) -> Float[Array, "batch n head_dim"]:
-        """**Arguments:** `x`, the normed block input at positions `0 .. seq-1`.
+    def __call__(
+        self, x: Float[Array, "batch seq d_model"], *, policy: Policy | None = None
+    ) -> Float[Array, "batch n head_dim"]:
+        """**Arguments:** `x`, the normed block input at positions `0 .. seq-1`; `policy`, the
+        execution `Policy` (default: the one for `x`'s platform).
 
         **Returns:** the `seq // ratio` compressed entries, in `x.dtype`.
         """
         b, s, _ = x.shape
         state = self.empty_state(b, s, x.dtype)
         zero = jnp.zeros((b,), jnp.int32)
-        return self.step(x, zero, jnp.full((b,), s, jnp.int32), state).entries
+        count = jnp.full((b,), s, jnp.int32)
+        return self.step(x, zero, count, state, policy=resolve(policy, x)).entries
 
     @jax.named_scope("compressor")
     def step(
@@ -123,6 +128,8 @@ class AbstractCompressor(eqx.Module):
         start: Int[Array, " batch"],
         count: Int[Array, " batch"],
         state: CompressorState,
+        *,
+        policy: Policy,
     ) -> CompressorState:
         """Feed the first `count[b]` tokens of `x[b]`, at positions `start[b] ...`, and emit the
         entries of every block they complete into `state.entries`.
@@ -133,8 +140,10 @@ class AbstractCompressor(eqx.Module):
         b, t, _ = x.shape
         m = self.ratio
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        kv = self.wkv(x, dtype=jnp.float32)
-        gate = self.wgate(x, dtype=jnp.float32) + jnp.take(self.ape, positions % m, axis=0)
+        kv = self.wkv(x, dtype=jnp.float32, policy=policy)
+        gate = self.wgate(x, dtype=jnp.float32, policy=policy) + jnp.take(
+            self.ape, positions % m, axis=0
+        )
 
         open_len = start % m  # tokens of the open block already in `state`
         grid = -(-(m + t) // m) * m
@@ -160,7 +169,7 @@ class AbstractCompressor(eqx.Module):
         n_entries = state.entries.shape[-2]
         target = jnp.where(jnp.arange(grid // m)[None] < complete[:, None], blocks, n_entries)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
-        new_entries = state.write_entries((rows, target), entries)
+        new_entries = state.write_entries((rows, target), entries, policy=policy)
 
         # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
         # tokens). complete * m <= open_len + t < m + t <= grid, and both ends are multiples

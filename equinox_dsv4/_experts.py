@@ -8,11 +8,8 @@ chosen experts' weights are read (see `dispatch`). Under a mesh with an `expert`
 device computes its own experts' share (`expert_parallel`).
 """
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Iterator
 
 import equinox as eqx
 import jax
@@ -23,29 +20,16 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import Config
-from ._layers import init_normal, linear, wider_dtype, zeros_after
+from ._forms import zeros_after
+from ._layers import init_normal, linear, wider_dtype
 from ._parallel import batch_axes, mesh_axis
+from ._policy import Policy, resolve
 
 
 # Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
 MAX_BLOCK_LOG2 = 7
 # The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
 TAIL_ROWS = 16
-
-
-# Set while a layer stack traces its body (`LayerStack.step`), whose expert weights are then
-# slices of the stack, not parameters: decoding gathers the chosen experts (see `dispatch`).
-_IN_LAYER_STACK = contextvars.ContextVar("in_layer_stack", default=False)
-
-
-@contextlib.contextmanager
-def in_layer_stack() -> Iterator[None]:
-    """Within: `Experts` are called on slices of stacked weights (see `dispatch`'s `gather`)."""
-    token = _IN_LAYER_STACK.set(True)
-    try:
-        yield
-    finally:
-        _IN_LAYER_STACK.reset(token)
 
 
 def swiglu(
@@ -85,17 +69,21 @@ class Experts(eqx.Module):
         x: Float[Array, "tokens d_model"],
         indices: Int[Array, "tokens topk"],
         weights: Float[Array, "tokens topk"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "tokens d_model"]:
-        """**Arguments:** the normed tokens, their chosen experts and float32 routing weights.
+        """**Arguments:** the normed tokens, their chosen experts and float32 routing weights;
+        `policy`, the execution `Policy` (its `gather_experts`: see `dispatch`).
 
         **Returns:** `sum_j weights[:, j] * expert_{indices[:, j]}(x)`, accumulated in float32
         and returned in float32. Under a mesh with an `expert` axis each device computes its
         own experts' share (see `expert_parallel`).
         """
+        policy = resolve(policy, x)
         if mesh_axis("expert") > 1:
-            return expert_parallel(self, x, indices, weights)
-        gather = _IN_LAYER_STACK.get()
-        return dispatch(x, indices, weights, self.w1, self.w2, self.w3, self.limit, gather)
+            return expert_parallel(self, x, indices, weights, policy=policy)
+        w = (self.w1, self.w2, self.w3)
+        return dispatch(x, indices, weights, *w, self.limit, policy.gather_experts, policy=policy)
 
 
 def dispatch(
@@ -107,6 +95,8 @@ def dispatch(
     w3: Float[Array, "experts inter d_model"],
     limit: float,
     gather: bool = False,
+    *,
+    policy: Policy | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """Routed experts for the (token, expert) assignments, computed only where assigned. An
     assignment to expert `len(w1)` (out of range) is dropped.
@@ -119,7 +109,8 @@ def dispatch(
     time, or with `gather` the chosen experts' weights gathered at once and the products
     batched. Use `gather` where the weights are not a parameter but a value (a slice of a
     scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
-    operand, and XLA copies such a value whole to pass it in.
+    operand, and XLA copies such a value whole to pass it in. `policy` lays out the products
+    (`None`: the target platform's).
     """
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
@@ -128,9 +119,8 @@ def dispatch(
     if rows <= n_experts:
         run = _gathered if gather else _one_by_one
         x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
-        ys = run(
-            x_rows, weights.reshape(rows), jnp.minimum(expert, n_experts - 1), w1, w2, w3, limit
-        )
+        chosen = jnp.minimum(expert, n_experts - 1)
+        ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, limit, policy)
         ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
     # Block size: about one block per expert at this load, a power of two in [1, 128].
@@ -153,7 +143,7 @@ def dispatch(
     xs = x[assignment // top_k]  # rows holding none: any token, with weight 0
     ws = jnp.where(held, weights.reshape(rows)[assignment], 0.0)
 
-    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, limit, block, pad)
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, limit, block, pad, policy)
     # Each assignment's padded row, read back per token: a gather, no scatter.
     position = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
     safe = jnp.minimum(expert, n_experts - 1)
@@ -162,30 +152,30 @@ def dispatch(
     return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
 
 
-def _one_by_one(xs, ws, chosen, w1, w2, w3, limit):
+def _one_by_one(xs, ws, chosen, w1, w2, w3, limit, policy):
     # A loop over assignments, each copying its expert's weights out of the stack; the copies
     # share one buffer. Unrolled, every copy got its own: the small config's decode step had
     # 38 MB of temporaries, which malloc mapped fresh, page faults included, on every token
     # (benchmarks/NOTES.md, Round 3).
     def one(_, w, a):
         x, wt = a
-        return None, _expert_row(x, wt, *w, limit)
+        return None, _expert_row(x, wt, *w, limit, policy)
 
     return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws))[1]
 
 
-def _gathered(xs, ws, chosen, w1, w2, w3, limit):
+def _gathered(xs, ws, chosen, w1, w2, w3, limit, policy):
     # The chosen experts' weights in one gather, the products batched over assignments. In a
     # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
     # chosen experts; a loop would get the layer's slice of every expert copied in
     # (benchmarks/NOTES.md, Round 5).
-    one = functools.partial(_expert_row, limit=limit)
+    one = functools.partial(_expert_row, limit=limit, policy=policy)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 
 
-def _expert_row(x, w, w1e, w2e, w3e, limit):
+def _expert_row(x, w, w1e, w2e, w3e, limit, policy):
     # One assignment (a row `x` with routing weight `w`) through one expert, float32.
-    return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype)[0]
+    return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype, policy)[0]
 
 
 def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
@@ -204,18 +194,19 @@ def _varying_like(init: Array, *operands: Array) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
-def _hidden(xb, wb, w1e, w3e, limit, dtype):
+def _hidden(xb, wb, w1e, w3e, limit, dtype, policy):
     # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype).
-    g = linear(xb, w1e, dtype=jnp.float32)
-    u = linear(xb, w3e, dtype=jnp.float32)
+    g = linear(xb, w1e, dtype=jnp.float32, policy=policy)
+    u = linear(xb, w3e, dtype=jnp.float32, policy=policy)
     a = swiglu(g, u, limit)
     # The routing weight is applied before w2, in float32, as in the official code.
     return g, u, a, (a * wb[:, None]).astype(dtype)
 
 
-def _expert_block(xb, wb, w1e, w2e, w3e, limit, dtype):
+def _expert_block(xb, wb, w1e, w2e, w3e, limit, dtype, policy):
     # One block of one expert's rows through that expert, float32.
-    return linear(_hidden(xb, wb, w1e, w3e, limit, dtype)[3], w2e, dtype=jnp.float32)
+    h = _hidden(xb, wb, w1e, w3e, limit, dtype, policy)[3]
+    return linear(h, w2e, dtype=jnp.float32, policy=policy)
 
 
 def _over_rows(start, n, block, tail, carry, body):
@@ -245,7 +236,7 @@ def _over_experts(body, carry, stacks, chosen, xs):
     return carry, ys
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def expert_mlps(
     xs: Float[Array, "rows d_model"],
     ws: Float[Array, " rows"],
@@ -257,6 +248,7 @@ def expert_mlps(
     limit: float,
     block: int,
     tail: int,
+    policy: Policy | None = None,
 ) -> Float[Array, "rows d_model"]:
     """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
     (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`, float32;
@@ -267,12 +259,12 @@ def expert_mlps(
     computed for padding, and a block's gate, up and hidden values never leave the loop body.
     The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
     the gradient is written out: the backward pass recomputes each block's hidden values and
-    sums each expert's weight gradients over its blocks.
+    sums each expert's weight gradients over its blocks. `policy` lays out the products.
     """
-    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail)[0]
+    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, policy)[0]
 
 
-def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
+def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, policy):
     c = wider_dtype(xs, w1)
 
     def expert(out, w, args):
@@ -282,7 +274,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
         def rows(out, offset, size):
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
-            y = _expert_block(xb, wb, w1e, w2e, w3e, limit, xs.dtype)
+            y = _expert_block(xb, wb, w1e, w2e, w3e, limit, xs.dtype, policy)
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
 
         return _over_rows(start, n, block, tail, out, rows), None
@@ -293,7 +285,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail):
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
-def _expert_mlps_bwd(limit, block, tail, residuals, dys):
+def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
     xs, ws, w1, w2, w3, first, count = residuals
     c = wider_dtype(xs, w1)
 
@@ -309,7 +301,7 @@ def _expert_mlps_bwd(limit, block, tail, residuals, dys):
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
             dy = jax.lax.dynamic_slice_in_dim(dys, offset, size)
-            g, u, a, h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype)
+            g, u, a, h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype, policy)
             d2 = d2 + dot("bo,bi->oi", dy, h)
             dh = dot("bo,oi->bi", dy, w2e)
             dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.sum(dh * a, axis=-1), offset, 0)
@@ -341,6 +333,8 @@ def expert_parallel(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
+    *,
+    policy: Policy | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """The routed experts on a mesh with an `expert` axis: each device holds
     `experts / mesh["expert"]` of them and computes the assignments of its tokens (split over
@@ -366,9 +360,8 @@ def expert_parallel(
         mine = (indices >= first) & (indices < first + w1.shape[0])
         local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
         # The gathered weights are a value, not a parameter (see `dispatch`).
-        y = dispatch(
-            x, local_ids, jnp.where(mine, weights, 0.0), w1, w2, w3, experts.limit, gather=True
-        )
+        mine_weights = jnp.where(mine, weights, 0.0)
+        y = dispatch(x, local_ids, mine_weights, w1, w2, w3, experts.limit, True, policy=policy)
         return jax.lax.psum(y, reduce)
 
     row = P(tokens, None)

@@ -18,9 +18,10 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import KVCache
+from ._forms import blocked_argmax
 from ._model import DeepseekV4
 from ._parallel import mesh_axis
-from ._policy import target_platform
+from ._policy import Policy, resolve
 from ._sharding import shard_cache
 
 
@@ -43,48 +44,21 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def _greedy(logits: Float[Array, "batch vocab"]) -> Int[Array, " batch"]:
-    """`jnp.argmax(logits, axis=-1)` (the first largest; NaN counts as largest), computed as
-    block maxima and then an argmax inside the winning block.
-
-    XLA:CPU runs `argmax` as a scalar (value, index) reduction: 0.58 ms over the 129,280-token
-    vocabulary, 3% of a decode step. `max` over integers vectorizes, so each logit is mapped to
-    an `int32` with the same order (`_order_key`) and only the winning block gets an argmax:
-    0.09 ms (benchmarks/NOTES.md, Round 9).
-    """
-    b, v = logits.shape
-    # The largest divisor of v up to sqrt(v): no padding (which XLA:CPU would copy).
-    c = max(d for d in range(1, int(v**0.5) + 1) if v % d == 0)
-    blocks = _order_key(logits).reshape(b, v // c, c)
-    best = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
-    row = jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0]
-    return (best * c + jnp.argmax(row, axis=-1)).astype(jnp.int32)
-
-
-def _blocked_argmax_pays(logits: Array) -> bool:
-    # XLA:CPU's argmax is the slow one; elsewhere, and with the vocabulary split over `tensor`
-    # (whose blocks would need the logits gathered) or float64 logits (which the int32 key
-    # cannot order), plain argmax.
-    return target_platform() == "cpu" and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4
-
-
-def _order_key(x: Float[Array, "*shape"]) -> Int[Array, "*shape"]:
-    """An `int32` per float with `argmax`'s order: the float order, `-0.0 == 0.0`, NaN above
-    `inf`."""
-    x = x.astype(jnp.float32)
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
-    # A negative float's magnitude grows with its low 31 bits: flip them to reverse its order.
-    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-    return jnp.where(jnp.isnan(x), jnp.iinfo(jnp.int32).max, key)
-
-
 def sample(
-    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling
+    logits: Float[Array, "batch vocab"],
+    key: PRNGKeyArray,
+    sampling: Sampling,
+    *,
+    policy: Policy | None = None,
 ) -> Int[Array, " batch"]:
-    """One token per row (see `Sampling`)."""
+    """One token per row (see `Sampling`); greedy takes the first largest logit (NaN counting
+    as largest), in the form `policy` says (default: the one for `logits`' platform)."""
     if sampling.temperature == 0:
-        if _blocked_argmax_pays(logits):
-            return _greedy(logits)
+        # The blocked form needs the whole vocabulary on each device, and int32 keys (no
+        # float64 logits).
+        policy = resolve(policy, logits)
+        if policy.blocked_argmax and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4:
+            return blocked_argmax(logits)
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / sampling.temperature
     if 0 < sampling.top_k < logits.shape[-1]:
@@ -111,8 +85,9 @@ def _prefill_chunk(
     ids: Int[Array, "batch chunk"],
     count: Int[Array, " batch"],
     cache: KVCache,
+    policy: Policy,
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    logits, cache = model.decode(ids, cache, count, last_only=True)
+    logits, cache = model.decode(ids, cache, count, last_only=True, policy=policy)
     return logits[:, 0], cache
 
 
@@ -127,10 +102,13 @@ def prefill(
     key: PRNGKeyArray,
     sampling: Sampling,
     chunk: int = 512,
+    *,
+    policy: Policy | None = None,
 ) -> tuple[Int[Array, " batch"], KVCache]:
     """Run the prompts (row `b`: its first `lengths[b]` tokens) in chunks of `chunk` tokens
     (one compiled step whatever the prompt length; activations bounded by the chunk) and
     sample each one's next token. **Returns:** `(tokens, cache)`."""
+    policy = resolve(policy, model)
     lengths = jnp.asarray(lengths, jnp.int32)
     last = None
     for start in range(0, ids.shape[1], chunk):
@@ -139,10 +117,11 @@ def prefill(
             part = jnp.pad(part, ((0, 0), (0, chunk - part.shape[1])))
         count = jnp.clip(lengths - start, 0, part.shape[1])
         ends_here = ((count > 0) & (start + count == lengths))[:, None]
-        logits, cache = _prefill_chunk(model, part, count, cache)  # donates count and cache
+        # Donates count and cache.
+        logits, cache = _prefill_chunk(model, part, count, cache, policy)
         last = logits if last is None else jnp.where(ends_here, logits, last)
     assert last is not None
-    return _sample(last, key, sampling), cache
+    return _sample(last, key, sampling, policy=policy), cache
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -153,10 +132,12 @@ def decode_step(
     cache: KVCache,
     key: PRNGKeyArray,
     sampling: Sampling,
+    policy: Policy | None = None,
 ) -> tuple[Int[Array, " batch"], KVCache]:
-    """Append one token per active row (`active[b]` 1 or 0) and sample the next."""
-    logits, cache = model.decode(tokens[:, None], cache, active)
-    return sample(logits[:, 0], key, sampling), cache
+    """Append one token per active row (`active[b]` 1 or 0) and sample the next, laid out by
+    `policy` (default: the platform's)."""
+    logits, cache = model.decode(tokens[:, None], cache, active, policy=policy)
+    return sample(logits[:, 0], key, sampling, policy=policy), cache
 
 
 def generate(
@@ -170,6 +151,7 @@ def generate(
     max_len: int | None = None,
     callback: Callable[[np.ndarray, np.ndarray], None] | None = None,
     prefill_chunk: int = 512,
+    policy: Policy | None = None,
 ) -> list[list[int]]:
     """Generate continuations of a batch of prompts.
 
@@ -187,6 +169,7 @@ def generate(
     - `callback`: called after every step with the new tokens `[batch]` and which rows are
       still running (for streaming).
     - `prefill_chunk`: prompts are run in chunks of this many tokens (see `prefill`).
+    - `policy`: the execution `Policy` (default: the one for the model's platform).
 
     **Returns:** the generated ids per prompt, without the prompt.
     """
@@ -215,6 +198,7 @@ def generate(
     lengths = np.array([len(p) for p in prompts], np.int32)
     cache = model.init_cache(batch, max_len)
     key, prefill_key = jax.random.split(key)
+    policy = resolve(policy, model)
     mesh = _mesh_of(model)
     if mesh is not None:
         cache = shard_cache(cache, mesh)
@@ -227,9 +211,20 @@ def generate(
             prefill_key,
             sampling,
             prefill_chunk,
+            policy=policy,
         )
         return _decode_loop(
-            model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
+            model,
+            tokens,
+            lengths,
+            cache,
+            key,
+            sampling,
+            stops,
+            max_new_tokens,
+            max_len,
+            callback,
+            policy,
         )
 
 
@@ -239,7 +234,7 @@ def _mesh_of(model: DeepseekV4) -> Mesh | None:
 
 
 def _decode_loop(
-    model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback
+    model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback, policy
 ):
     batch = len(lengths)
     out: list[list[int]] = [[] for _ in range(batch)]
@@ -259,7 +254,7 @@ def _decode_loop(
             break
         key, sub = jax.random.split(key)
         active = jnp.asarray(running.astype(np.int32))
-        tokens, cache = decode_step(model, jnp.asarray(new), active, cache, sub, sampling)
+        tokens, cache = decode_step(model, jnp.asarray(new), active, cache, sub, sampling, policy)
         position += running
     return out
 

@@ -19,6 +19,7 @@ from ._cache import CompressorState
 from ._compressor import CSACompressor
 from ._config import Config
 from ._layers import Linear, einsum_f32, map_chunks, wider_dtype
+from ._policy import Policy, resolve
 from ._rope import RoPE
 
 
@@ -71,13 +72,15 @@ class LightningIndexer(eqx.Module):
         qr: Float[Array, "batch seq q_lora"],
         keys: Float[Array, "batch blocks index_dim"],
         positions: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "batch seq blocks"]:
         """Float32 index scores of every query against every compressed key."""
         b, s, _ = x.shape
-        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        q = self.wq_b(qr, policy=policy).reshape(b, s, self.n_heads, self.head_dim)
         q = self.rope(q, positions)
         scale = (self.head_dim * self.n_heads) ** -0.5
-        w = self.weights_proj(x, dtype=jnp.float32) * scale
+        w = self.weights_proj(x, dtype=jnp.float32, policy=policy) * scale
         if s <= _FEW_QUERIES:
             # The keys as the rows of the product, read as stored. As its columns (the form
             # below) XLA:CPU copied all of them transposed first, on every decoded token:
@@ -90,7 +93,7 @@ class LightningIndexer(eqx.Module):
             return jnp.einsum("bnsh,bsh->bsn", jax.nn.relu(logits), w)
         # Many queries (a prefill chunk): the keys as the product's columns; as its rows it
         # was 1.1-1.3x slower from 16 queries on.
-        logits = einsum_f32("bshk,bnk->bshn", q, keys)
+        logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
 
     def select(
@@ -99,6 +102,8 @@ class LightningIndexer(eqx.Module):
         qr: Float[Array, "batch seq q_lora"],
         keys: Float[Array, "batch blocks index_dim"],
         positions: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> Int[Array, "batch seq topk"]:
         """The `min(index_topk, blocks)` best visible keys per query, `-1` for picks the query
         may not see (order unspecified)."""
@@ -106,7 +111,7 @@ class LightningIndexer(eqx.Module):
             return jnp.zeros((*positions.shape, 0), jnp.int32)
 
         def chunk(x, qr, positions):
-            scores = self.scores(x, qr, keys, positions)
+            scores = self.scores(x, qr, keys, positions, policy=policy)
             visible = visible_blocks(positions, self.ratio)[..., None]
             entry = jnp.broadcast_to(jnp.arange(keys.shape[1], dtype=jnp.int32), scores.shape)
             scores = jnp.where(entry < visible, scores, -jnp.inf)
@@ -117,20 +122,26 @@ class LightningIndexer(eqx.Module):
         return map_chunks(chunk, (x, qr, positions), QUERIES_PER_STEP)
 
     def __call__(
-        self, x: Float[Array, "batch seq d_model"], qr: Float[Array, "batch seq q_lora"]
+        self,
+        x: Float[Array, "batch seq d_model"],
+        qr: Float[Array, "batch seq q_lora"],
+        *,
+        policy: Policy | None = None,
     ) -> Int[Array, "batch seq topk"]:
         """**Arguments:**
 
         - `x`: the normed block input at positions `0 .. seq-1`.
         - `qr`: the attention's normed low-rank query `[batch, seq, q_lora_rank]`.
+        - `policy`: the execution `Policy` (default: the one for `x`'s platform).
 
         **Returns:** int32 indices of the selected entries, `min(index_topk, seq // ratio)` per
         query, with `-1` for picks the query may not see. Their order is unspecified.
         """
         b, s, _ = x.shape
-        keys = self.compressor(x)
+        policy = resolve(policy, x)
+        keys = self.compressor(x, policy=policy)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        return self.select(x, qr, keys, positions)
+        return self.select(x, qr, keys, positions, policy=policy)
 
     @jax.named_scope("indexer")
     def step(
@@ -140,12 +151,14 @@ class LightningIndexer(eqx.Module):
         start: Int[Array, " batch"],
         count: Int[Array, " batch"],
         state: CompressorState,
+        *,
+        policy: Policy,
     ) -> tuple[Int[Array, "batch chunk topk"], CompressorState]:
         """Update the index keys with the chunk (see `AbstractCompressor.step`), then select for
         each of its queries. **Returns:** `(picks, state)`."""
-        state = self.compressor.step(x, start, count, state)
+        state = self.compressor.step(x, start, count, state, policy=policy)
         positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
-        return self.select(x, qr, state.layer_entries, positions), state
+        return self.select(x, qr, state.layer_entries, positions, policy=policy), state
 
     def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
         return self.compressor.empty_state(batch, max_len, dtype)

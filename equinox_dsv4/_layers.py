@@ -15,8 +15,9 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ._forms import linear_widened, set_rows_by_updates, zeros_after
 from ._parallel import batch_axes
-from ._policy import narrow_on_cpu
+from ._policy import Policy, narrow_on_cpu
 
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
@@ -47,20 +48,6 @@ def lead(a: Array, ndim: int) -> Array:
     """`a` with leading unit axes up to `ndim` axes: explicit broadcasting, which the tests'
     `jax_numpy_rank_promotion="raise"` demands."""
     return a.reshape((1,) * (ndim - a.ndim) + a.shape)
-
-
-def zeros_after(shape: tuple[int, ...], dtype: DTypeLike, after: Array) -> Array:
-    """Zeros of `shape` that XLA cannot create before `after` exists: a loop's initial carry.
-
-    A constant is ready when the program starts, and XLA:CPU's default scheduler (concurrency
-    optimised, breadth first) creates it there, so every layer's zero-initialised loop carry
-    lived from the start of the call to its loop (benchmarks/NOTES.md, item 20). An
-    `optimization_barrier` does not prevent that (XLA removes it before scheduling); a value
-    computed from `after` does. It is `min(|a|, 0)` of one element `a`, which is 0 unless `a` is
-    NaN (then every entry is NaN).
-    """
-    a = after.reshape(-1)[0]
-    return jnp.broadcast_to(jnp.minimum(jnp.abs(a), 0).astype(dtype), shape)
 
 
 def map_chunks(fn, arrays: tuple[Array, ...], size: int) -> Any:
@@ -111,8 +98,8 @@ def rms_normalize(x: Float[Array, "*batch dim"], eps: float) -> Float[Array, "*b
     return _normalized(x, eps).astype(x.dtype)
 
 
-# Up to this many rows `set_rows` writes a 16-bit float array on XLA:CPU with one dynamic
-# update each (a decode step's cache writes); more (a prefill chunk's) take the scatter.
+# Up to this many rows `set_rows` writes a widened 16-bit array with one dynamic update each (a
+# decode step's cache writes); more (a prefill chunk's) take the scatter.
 _FEW_WRITES = 16
 
 
@@ -121,43 +108,29 @@ def set_rows(
     index: tuple[Int[Array, "..."], Int[Array, "..."]],
     values: Float[Array, "..."],
     *,
-    layer: Int[Array, ""] | None = None,
+    layer: Int[Array, ""] | int | None = None,
+    policy: Policy | None = None,
 ) -> Float[Array, "..."]:
     """`a.at[index].set(values, mode="drop")` for `index = (rows, cols)`, both non-negative: row
     `cols[w]` of sequence `rows[w]` becomes `values[w]`; an index past the end writes nothing.
-    With `layer`, `a` is a stack of such arrays (a scanned layer stack's cache, `[layers, batch,
+    With `layer`, `a` is a stack of such arrays (a layer stack's cache, `[layers, batch,
     length, ...]`) and the rows are written into its layer `layer`, in place.
 
-    On XLA:CPU a bf16 / f16 array's scatter runs in float32, converting the whole array there
-    and back: a decode step's cache writes read and wrote each compressed cache twice (at a 64k
-    context, 28 of the bf16 step's 34 MiB of temporaries, benchmarks/NOTES.md, Round 9). A few
-    writes are made there as dynamic updates instead, in place (not with the batch split over
-    devices, where an update at a traced row could gather the array).
+    Where `policy` widens `a`'s dtype, a few rows are written as dynamic updates
+    (`set_rows_by_updates`), not with the batch split over devices (where an update at a traced
+    row could gather the array). `policy=None`: the policy of the target platform.
     """
     values = values.astype(a.dtype)
     rows, cols = index
     lead = () if layer is None else (layer,)
-    batch, length = a.shape[len(lead) : len(lead) + 2]
-    if not narrow_on_cpu(a) or rows.size > _FEW_WRITES or batch_axes(batch):
+    narrow = narrow_on_cpu(a) if policy is None else policy.narrow(a)
+    batch = a.shape[len(lead)]
+    if not narrow or rows.size > _FEW_WRITES or batch_axes(batch):
         return a.at[(*lead, rows, cols)].set(values, mode="drop")
-    zeros = (0,) * (a.ndim - len(lead) - 2)
-    values = values.reshape(-1, *(1,) * (len(lead) + 2), *a.shape[len(lead) + 2 :])
-
-    def write(a, v, r, c):
-        return jax.lax.dynamic_update_slice(a, v, (*lead, r, c, *zeros))
-
-    def keep(a, v, r, c):
-        return a
-
-    for r, c, v in zip(rows.reshape(-1), cols.reshape(-1), values, strict=True):
-        # A conditional write: writing back the old row instead (a select of the update
-        # against a dynamic slice of `a`) XLA:CPU computed in float32, and inside a loop
-        # (a scanned stack's cache) it then updated a copy of the whole array.
-        a = jax.lax.cond((r < batch) & (c < length), write, keep, a, v, r, c)
-    return a
+    return set_rows_by_updates(a, lead, rows, cols, values)
 
 
-def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+def einsum_f32(spec: str, a: Array, b: Array, *, policy: Policy | None = None) -> Array:
     """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32.
 
     With bfloat16 operands this equals the float32 product of the upcast operands (bf16
@@ -165,9 +138,10 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
     attention's layouts ("Unsupported element type for DotThunk"), so there the operands are
     upcast first. Not for weights: a convert of a scanned stack's weight gets hoisted out of the
     layer loop, a float32 copy of the whole stack (`linear` and the experts' matmuls take the
-    `preferred_element_type` path, which XLA:CPU supports for their layouts).
+    `preferred_element_type` path, which XLA:CPU supports for their layouts). `policy=None`:
+    the policy of the target platform.
     """
-    if narrow_on_cpu(a, b):
+    if narrow_on_cpu(a, b) if policy is None else policy.narrow(a, b):
         a, b = f32(a), f32(b)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
@@ -179,28 +153,22 @@ def wider_dtype(a: Array, b: Array) -> jnp.dtype:
 
 
 def linear(
-    x: Float[Array, "*batch in"], weight: Float[Array, "out in"], *, dtype: DTypeLike | None = None
+    x: Float[Array, "*batch in"],
+    weight: Float[Array, "out in"],
+    *,
+    dtype: DTypeLike | None = None,
+    policy: Policy | None = None,
 ) -> Float[Array, "*batch out"]:
-    """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype)."""
+    """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype).
+    Where `policy` widens the operands, the product takes `linear_widened`'s form.
+    `policy=None`: the policy of the target platform."""
     if x.dtype != weight.dtype:
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
-    if not narrow_on_cpu(x):
-        return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
-    # XLA:CPU's bf16 matmul kernel takes bf16 operands with a float32 result only; any other
-    # bf16 product it computes in float32 after converting both operands, the weight included,
-    # on every call (2-3x slower at the prefill's shapes). So: a float32 result, cast after
-    # (the sum is rounded once all the same). A single row is a matrix-vector product, which
-    # has no bf16 kernel at all: it gets a second, zero row (the small config's bf16 head:
-    # 87 -> 7.5 ms). benchmarks/NOTES.md, items 17 and 18.
-    if math.prod(x.shape[:-1]) == 1:
-        two = jnp.concatenate([x.reshape(1, -1), jnp.zeros((1, x.shape[-1]), x.dtype)])
-        y = jnp.einsum("ri,oi->ro", two, weight, preferred_element_type=jnp.float32)
-        y = y[0].reshape(*x.shape[:-1], -1)
-    else:
-        y = jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    if narrow_on_cpu(x) if policy is None else policy.narrow(x):
+        return linear_widened(x, weight, out_dtype)
+    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
 
 
 class Linear(eqx.Module):
@@ -234,7 +202,11 @@ class Linear(eqx.Module):
         return self.axes
 
     def __call__(
-        self, x: Float[Array, "*batch in"], *, dtype: DTypeLike | None = None
+        self,
+        x: Float[Array, "*batch in"],
+        *,
+        dtype: DTypeLike | None = None,
+        policy: Policy | None = None,
     ) -> Float[Array, "*batch out"]:
         """**Arguments:**
 
@@ -242,10 +214,11 @@ class Linear(eqx.Module):
         - `dtype`: output dtype, and the accumulation dtype of the matmul; defaults to
           `x.dtype`. With bfloat16 operands and `dtype=float32` this equals a float32 matmul of
           the upcast operands (bf16 products are exact in float32) without copying the weight.
+        - `policy`: the execution policy (`None`: the target platform's).
 
         **Returns:** `[..., out]`.
         """
-        return linear(x, self.weight, dtype=dtype)
+        return linear(x, self.weight, dtype=dtype, policy=policy)
 
 
 class Embedding(eqx.Module):

@@ -16,12 +16,12 @@ from ._layers import Embedding, Linear, RMSNorm
 from ._moe import RouterStats
 from ._parallel import constrain_batch
 from ._plan import LayerPlan
-from ._stack import REMAT_POLICIES as REMAT_POLICIES, LayerStack as LayerStack, with_remat
+from ._policy import Policy, resolve
+from ._stack import REMAT_POLICIES as REMAT_POLICIES, LayerStack as LayerStack
 
 
-# Per plan segment: a block's stats, or a scanned stack's, one per period position, stacked
-# along `repeats`.
-Stats = tuple[RouterStats | tuple[RouterStats, ...], ...]
+# Per plan segment, per period position: the layers' stats, stacked along `repeats`.
+Stats = tuple[tuple[RouterStats, ...], ...]
 
 
 class MTPBlock(eqx.Module):
@@ -75,13 +75,17 @@ class MTPBlock(eqx.Module):
         streams: Float[Array, "batch seq streams d_model"],
         next_ids: Int[Array, "batch seq"],
         embed: Embedding,
+        *,
+        policy: Policy | None = None,
     ) -> tuple[
         Float[Array, "batch seq d_model"], Float[Array, "batch seq streams d_model"], RouterStats
     ]:
-        """As `__call__`, plus the block's `RouterStats`."""
-        e = self.e_proj(self.enorm(embed(next_ids)))
-        x = e[:, :, None, :] + self.h_proj(self.hnorm(streams))
-        x, stats = self.block.with_stats(x, next_ids)
+        """As `__call__`, plus the block's `RouterStats`; `policy` as for
+        `DeepseekV4.forward`."""
+        policy = resolve(policy, streams)
+        e = self.e_proj(self.enorm(embed(next_ids)), policy=policy)
+        x = e[:, :, None, :] + self.h_proj(self.hnorm(streams), policy=policy)
+        x, stats = self.block.with_stats(x, next_ids, policy=policy)
         return self.norm(self.hc_head(x)), x, stats
 
 
@@ -89,16 +93,16 @@ class DeepseekV4(eqx.Module):
     """DeepSeek-V4 (Flash / Pro and any config of the family) as one Equinox module.
 
     `model(input_ids)` runs the full causal forward pass: the embedding is copied into
-    `hc_mult` streams, the decoder layers run in the order of `plan` (unrolled blocks and scanned
-    `LayerStack`s), `hc_head` collapses the streams, then the final norm and the head give
-    float32 logits.
+    `hc_mult` streams, the decoder layers run in the order of `plan` (one `LayerStack` per
+    segment: a scanned run of repeating layers, or a layer on its own), `hc_head` collapses
+    the streams, then the final norm and the head give float32 logits.
 
     Build a full-size model abstractly with `eqx.filter_eval_shape(DeepseekV4, config, key=...)`
     and fill it from a checkpoint; random initialisation is for tiny models and tests.
     """
 
     embed: Embedding
-    layers: tuple[Block | LayerStack, ...]
+    layers: tuple[LayerStack, ...]
     hc_head: HyperHead
     norm: RMSNorm
     head: Linear
@@ -122,13 +126,7 @@ class DeepseekV4(eqx.Module):
             jnp.arange(config.num_hidden_layers)
         )
         plan = LayerPlan.from_config(config)
-        layers: list[Block | LayerStack] = []
-        for seg in plan.segments:
-            if seg.scanned:
-                layers.append(LayerStack(config, seg, layer_keys, dtype=dtype))
-            else:
-                kind = seg.period[0]
-                layers.append(Block(config, *kind, key=layer_keys[seg.start], dtype=dtype))
+        layers = [LayerStack(config, seg, layer_keys, dtype=dtype) for seg in plan.segments]
         self.embed = Embedding(config.vocab_size, config.hidden_size, key=e_key, dtype=dtype)
         self.layers = tuple(layers)
         self.hc_head = HyperHead(config, key=hc_key)
@@ -143,40 +141,53 @@ class DeepseekV4(eqx.Module):
         self.config = config
         self.plan = plan
 
-    def __call__(self, input_ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
-        """**Arguments:** `input_ids`, int32 token ids `[batch, seq]` at positions `0 .. seq-1`.
+    def __call__(
+        self, input_ids: Int[Array, "batch seq"], *, policy: Policy | None = None
+    ) -> Float[Array, "batch seq vocab"]:
+        """**Arguments:**
+
+        - `input_ids`: int32 token ids `[batch, seq]` at positions `0 .. seq-1`.
+        - `policy`: the execution `Policy` (default: the one for the platform the arrays are
+          on); every policy computes the same numbers.
 
         **Returns:** float32 logits `[batch, seq, vocab_size]`.
 
         Compiled once per input shape (see `decode`), so calling it eagerly is safe.
         """
         _check_ids(input_ids)
-        return _jitted_call(self, input_ids)
+        return _jitted_call(self, input_ids, resolve(policy, self, input_ids))
 
     def streams(
-        self, input_ids: Int[Array, "batch seq"]
+        self, input_ids: Int[Array, "batch seq"], *, policy: Policy | None = None
     ) -> Float[Array, "batch seq streams d_model"]:
         """The residual streams after the last decoder layer (the MTP block's input), for a full
         causal forward from position 0."""
-        return self.forward(input_ids)[0]
+        return self.forward(input_ids, policy=policy)[0]
 
     def forward(
-        self, input_ids: Int[Array, "batch seq"], *, remat: str | None = None
+        self,
+        input_ids: Int[Array, "batch seq"],
+        *,
+        remat: str | None = None,
+        policy: Policy | None = None,
     ) -> tuple[Float[Array, "batch seq streams d_model"], Stats]:
         """The full causal forward for training: the final streams (see `streams`) and each
-        layer's `RouterStats`, in the structure of `layers` (a scanned stack's stacked along
-        its repeats).
+        layer's `RouterStats`, in the structure of `layers` (per segment, per period position,
+        stacked along its repeats).
 
         **Arguments:**
 
         - `input_ids`: int32 `[batch, seq]` at positions `0 .. seq-1`.
         - `remat`: `None` (keep every activation for the backward pass) or a policy of
-          `REMAT_POLICIES`, applied to each unrolled block and each scanned period.
+          `REMAT_POLICIES`, applied to each period of each segment.
+        - `policy`: as for `__call__`.
         """
         _check_ids(input_ids)
         b, s = input_ids.shape
+        policy = resolve(policy, self, input_ids)
         cache = self.init_cache(b, s, self.embed.weight.dtype)
-        x, _, stats = self._forward(input_ids, cache, jnp.full((b,), s, jnp.int32), remat=remat)
+        count = jnp.full((b,), s, jnp.int32)
+        x, _, stats = self._forward(input_ids, cache, count, policy=policy, remat=remat)
         return x, stats
 
     def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
@@ -191,12 +202,7 @@ class DeepseekV4(eqx.Module):
         if max_len <= 0 or batch <= 0:
             raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
         dtype = self.embed.weight.dtype if dtype is None else dtype
-        layers = tuple(
-            layer.init_cache(batch, max_len, dtype)
-            if isinstance(layer, LayerStack)
-            else layer.attn.init_cache(batch, max_len, dtype)
-            for layer in self.layers
-        )
+        layers = tuple(layer.init_cache(batch, max_len, dtype) for layer in self.layers)
         return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len)
 
     def decode(
@@ -206,6 +212,7 @@ class DeepseekV4(eqx.Module):
         num_tokens: Int[Array, " batch"] | None = None,
         *,
         last_only: bool = False,
+        policy: Policy | None = None,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         """Append a chunk of tokens to each sequence in `cache` (a whole prompt, or one token)
         and return their logits.
@@ -220,6 +227,7 @@ class DeepseekV4(eqx.Module):
           different lengths share one call.
         - `last_only`: return only each row's last real token's logits, `[batch, 1, vocab]`
           (a prefill needs no more; the head over a whole long prompt is large).
+        - `policy`: as for `__call__`.
 
         **Returns:** `(logits, cache)`: float32 `[batch, chunk, vocab]` and the updated cache.
         Fixed shapes: decoding step after step never recompiles. Appending past `max_len` is a
@@ -232,7 +240,8 @@ class DeepseekV4(eqx.Module):
         `generate`'s steps donate it.
         """
         _check_ids(input_ids)
-        return _jitted_decode(self, input_ids, cache, num_tokens, last_only)
+        policy = resolve(policy, self, input_ids)
+        return _jitted_decode(self, input_ids, cache, num_tokens, last_only, policy)
 
     def _decode(
         self,
@@ -240,14 +249,15 @@ class DeepseekV4(eqx.Module):
         cache: KVCache,
         num_tokens: Int[Array, " batch"] | None,
         last_only: bool,
+        policy: Policy,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
-        x, cache, _ = self._forward(input_ids, cache, count, in_place=True)
+        x, cache, _ = self._forward(input_ids, cache, count, policy=policy, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
             x = jnp.take_along_axis(x, last, axis=1)
-        return self.logits(x), cache
+        return self.logits(x, policy=policy), cache
 
     def _forward(
         self,
@@ -255,6 +265,7 @@ class DeepseekV4(eqx.Module):
         cache: KVCache,
         count: Int[Array, " batch"],
         *,
+        policy: Policy,
         remat: str | None = None,
         in_place: bool = False,
     ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache, Stats]:
@@ -272,49 +283,53 @@ class DeepseekV4(eqx.Module):
         x = constrain_batch(x)
         new, stats = [], []
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            if isinstance(layer, LayerStack):
-                x, layer_cache, s = layer.step(
-                    x,
-                    input_ids,
-                    start,
-                    count,
-                    layer_cache,
-                    scan=self.config.scan_layers,
-                    remat=remat,
-                    in_place=in_place,
-                )
-            else:
-                x, layer_cache, s = with_remat(type(layer).step, remat)(
-                    layer, x, input_ids, start, count, layer_cache
-                )
+            x, layer_cache, s = layer.step(
+                x,
+                input_ids,
+                start,
+                count,
+                layer_cache,
+                policy=policy,
+                scan=self.config.scan_layers,
+                remat=remat,
+                in_place=in_place,
+            )
             x = constrain_batch(x)
             new.append(layer_cache)
             stats.append(s)
         return x, KVCache(tuple(new), start + count, cache.max_len), tuple(stats)
 
     def logits(
-        self, streams: Float[Array, "batch seq streams d_model"]
+        self,
+        streams: Float[Array, "batch seq streams d_model"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Stream collapse, final norm and head; float32 logits."""
-        return self.head(self.norm(self.hc_head(streams)), dtype=jnp.float32)
+        h = self.norm(self.hc_head(streams))
+        return self.head(h, dtype=jnp.float32, policy=resolve(policy, streams))
 
     def mtp_logits(
         self,
         streams: Float[Array, "batch seq streams d_model"],
         next_ids: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits of the first MTP block: position `t` predicts token `t + 2` from the final
         streams at `t` and `next_ids[:, t]` (token `t + 1`)."""
         if not self.mtp:
             raise ValueError("this model has no MTP block (num_nextn_predict_layers == 0)")
         _check_ids(next_ids)
-        h, _ = self.mtp[0](streams, next_ids, self.embed)
-        return self.head(h, dtype=jnp.float32)
+        h, _, _ = self.mtp[0].with_stats(streams, next_ids, self.embed, policy=policy)
+        return self.head(h, dtype=jnp.float32, policy=resolve(policy, streams))
 
 
 # `__call__` and `decode` run through these: one compiled program per shape, inlined when the
 # caller is already being traced.
-_jitted_call = eqx.filter_jit(lambda model, ids: model.logits(model.streams(ids)))
+_jitted_call = eqx.filter_jit(
+    lambda model, ids, policy: model.logits(model.streams(ids, policy=policy), policy=policy)
+)
 _jitted_decode = eqx.filter_jit(DeepseekV4._decode)
 
 

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import HASH_MOE, Config
 from ._experts import Experts, swiglu
 from ._layers import Linear, f32, init_normal, lead, linear
+from ._policy import Policy, resolve
 
 
 def score(logits: Float[Array, "*batch experts"], func: str) -> Float[Array, "*batch experts"]:
@@ -74,12 +75,17 @@ class Gate(eqx.Module):
         return weights, indices
 
     def route(
-        self, x: Float[Array, "tokens d_model"], ids: Int[Array, " tokens"]
+        self,
+        x: Float[Array, "tokens d_model"],
+        ids: Int[Array, " tokens"],
+        *,
+        policy: Policy | None = None,
     ) -> tuple[
         Float[Array, "tokens topk"], Int[Array, "tokens topk"], Float[Array, "tokens experts"]
     ]:
         """As `__call__`, plus every expert's float32 score (the balance loss reads them)."""
-        scores = score(linear(x, self.weight, dtype=jnp.float32), self.scoring_func)
+        logits = linear(x, self.weight, dtype=jnp.float32, policy=policy)
+        scores = score(logits, self.scoring_func)
         if self.tid2eid is not None:
             indices = jnp.take(self.tid2eid, ids, axis=0).astype(jnp.int32)
         else:
@@ -124,9 +130,12 @@ class SharedExpert(eqx.Module):
         self.w3 = Linear(d, i, ("mlp", "embed"), key=k3, dtype=dtype)
         self.limit = config.swiglu_limit
 
-    def __call__(self, x: Float[Array, "*batch d_model"]) -> Float[Array, "*batch d_model"]:
-        h = swiglu(self.w1(x, dtype=jnp.float32), self.w3(x, dtype=jnp.float32), self.limit)
-        return self.w2(h.astype(x.dtype))
+    def __call__(
+        self, x: Float[Array, "*batch d_model"], *, policy: Policy | None = None
+    ) -> Float[Array, "*batch d_model"]:
+        gate = self.w1(x, dtype=jnp.float32, policy=policy)
+        up = self.w3(x, dtype=jnp.float32, policy=policy)
+        return self.w2(swiglu(gate, up, self.limit).astype(x.dtype), policy=policy)
 
 
 class MoE(eqx.Module):
@@ -156,25 +165,35 @@ class MoE(eqx.Module):
         self.shared_experts = SharedExpert(config, key=s_key, dtype=dtype)
 
     def __call__(
-        self, x: Float[Array, "batch seq d_model"], ids: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq d_model"],
+        ids: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> Float[Array, "batch seq d_model"]:
-        """**Arguments:** `x`, the normed sub-layer input; `ids`, the token ids.
+        """**Arguments:** `x`, the normed sub-layer input; `ids`, the token ids; `policy`, the
+        execution `Policy` (default: the one for `x`'s platform).
 
         **Returns:** the MoE output in `x.dtype` (routed and shared parts summed in float32).
         """
-        return self.with_stats(x, ids)[0]
+        return self.with_stats(x, ids, policy=policy)[0]
 
     @jax.named_scope("moe")
     def with_stats(
-        self, x: Float[Array, "batch seq d_model"], ids: Int[Array, "batch seq"]
+        self,
+        x: Float[Array, "batch seq d_model"],
+        ids: Int[Array, "batch seq"],
+        *,
+        policy: Policy | None = None,
     ) -> tuple[Float[Array, "batch seq d_model"], RouterStats]:
         """As `__call__`, plus the routing statistics of this call (`RouterStats`); every
         position of `x` counts, padding included."""
+        policy = resolve(policy, x)
         b, s, d = x.shape
         flat = x.reshape(-1, d)
-        weights, indices, scores = self.gate.route(flat, ids.reshape(-1))
-        routed = self.experts(flat, indices, weights)
-        out = routed + f32(self.shared_experts(flat))
+        weights, indices, scores = self.gate.route(flat, ids.reshape(-1), policy=policy)
+        routed = self.experts(flat, indices, weights, policy=policy)
+        out = routed + f32(self.shared_experts(flat, policy=policy))
         n_experts, top_k = scores.shape[-1], indices.shape[-1]
         chosen = jnp.zeros((b, n_experts), jnp.float32)
         chosen = chosen.at[jnp.arange(b)[:, None], indices.reshape(b, s * top_k)].add(1.0)

@@ -1,31 +1,128 @@
-"""Execution policy: which platform a computation is being traced for, and the forms of it that
-only XLA:CPU needs.
+"""Execution policy: the forms the model's computations take on the backend they compile for.
 
-The model's math is the same on every backend, but a few computations have a second form that
-exists only for XLA:CPU (its 16-bit floats, its scheduler; benchmarks/NOTES.md says why each
-was needed). They ask here which platform the trace compiles for: the platform of the mesh set
-with `jax.set_mesh` if there is one (so that an ahead-of-time compile for a TPU topology, from a
-CPU host, takes the forms meant for TPUs), otherwise JAX's default backend.
+The math is the same under every policy. A few computations have a second form that exists
+only for one backend (XLA:CPU computes 16-bit floats in float32 and schedules breadth first);
+`Policy` says which forms a program uses. It is decided once, where a computation enters
+`jit` (`DeepseekV4.__call__` / `decode` / `forward`, `generate`'s steps, the train step), from
+the platform the arrays live on, and handed down explicitly: it is static, so each policy is
+its own compiled program, and a test can run any policy on any machine.
+
+The forms themselves live in `_forms.py`; benchmarks/NOTES.md has the measurements behind each.
 """
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
 
-def target_platform() -> str:
-    """The platform (`"cpu"`, `"gpu"`, `"tpu"`, ...) of the computation being traced: the
-    platform of the context mesh (`jax.set_mesh`), else `jax.default_backend()`."""
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How the layer loop and the primitives are laid out.
+
+    - `platform`: what the policy was decided for (informative; the fields decide).
+    - `widen_16bit`: the backend computes 16-bit floats in float32, converting operands first
+      (XLA:CPU). Then 16-bit products take a float32 result (`linear_widened`), 16-bit
+      activations meet in float32 (`einsum_f32`), and a few rows of a 16-bit cache are
+      written as dynamic updates, not a scatter (`set_rows`).
+    - `carry_stacks`: for the same reason, 16-bit layer stacks ride in the layer scan's carry,
+      through a barrier, so that their conversion cannot be hoisted in front of the loop,
+      whole (`Route`).
+    - `late_slices`: the scheduler creates values as early as it can (XLA:CPU's breadth-first
+      default). Then an unrolled loop over stacked layers takes layer `r`'s slices, and loops
+      their zero-initialised carries, only once the residual streams exist.
+    - `group_matmuls`: the attention's grouped output projection runs as one matmul per group
+      (XLA:CPU runs the batched einsum as per-token matmuls), except for a few tokens (a
+      decode step), where the batched einsum reads `wo_a` as stored; 16-bit ones always
+      (XLA:CPU would convert all of `wo_a` for the einsum).
+    - `blocked_argmax`: greedy sampling takes block maxima of an order-preserving integer key,
+      then an argmax inside the winning block (XLA:CPU's argmax is a scalar reduction).
+    - `gather_experts`: decoding's routed experts gather the chosen experts' weights and batch
+      the products, instead of a loop over assignments. Set by the layer loop, where the
+      expert weights are slices of a stack (values, which a loop would copy whole), not by the
+      platform.
+    """
+
+    platform: str = "generic"
+    widen_16bit: bool = False
+    carry_stacks: bool = False
+    late_slices: bool = False
+    group_matmuls: bool = False
+    blocked_argmax: bool = False
+    gather_experts: bool = False
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "Policy":
+        """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...)."""
+        if platform != "cpu":
+            return cls(platform)
+        return cls(
+            platform,
+            widen_16bit=True,
+            carry_stacks=True,
+            late_slices=True,
+            group_matmuls=True,
+            blocked_argmax=True,
+        )
+
+    @classmethod
+    def for_arrays(cls, *trees: Any) -> "Policy":
+        """The policy for the platform that the arrays in `trees` live on (`platform_of`)."""
+        return cls.for_platform(platform_of(*trees))
+
+    def narrow(self, *arrays: Array) -> bool:
+        """Whether any of `arrays` is a 16-bit float that the backend widens (`widen_16bit`)."""
+        return self.widen_16bit and any(
+            jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays
+        )
+
+    def per_group_projection(self, o: Array) -> bool:
+        """Whether the grouped output projection of `o` `[batch, seq, ...]` takes one matmul
+        per group (`group_matmuls`)."""
+        few = o.shape[0] * o.shape[1] <= _FEW_TOKENS
+        return self.group_matmuls and (not few or self.narrow(o))
+
+
+# Tokens up to which `group_matmuls` keeps the batched einsum.
+_FEW_TOKENS = 16
+
+GENERIC = Policy()
+
+
+def resolve(policy: Policy | None, *trees: Any) -> Policy:
+    """`policy`, or where it is `None` the policy for the arrays of `trees` (`for_arrays`): for
+    the components' own entry points, which are also called outside the model."""
+    return Policy.for_arrays(*trees) if policy is None else policy
+
+
+def platform_of(*trees: Any) -> str:
+    """The platform of the computation on these arrays: the platform of the context mesh
+    (`jax.set_mesh`, so that an ahead-of-time compile for a TPU topology from a CPU host is a
+    TPU program), else of the first concrete array or sharded `ShapeDtypeStruct` among the
+    leaves, else JAX's default backend (tracers carry no devices)."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     if device is not None and device.platform:
         return device.platform
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.devices())).platform
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(sharding, jax.sharding.Sharding):
+            devices = getattr(sharding, "device_set", None)
+            if devices:
+                return next(iter(devices)).platform
     return jax.default_backend()
 
 
 def narrow_on_cpu(*arrays: Array) -> bool:
-    """Whether any of `arrays` holds 16-bit floats and the target is XLA:CPU, which computes
-    most 16-bit operations in float32, converting their operands first (benchmarks/NOTES.md,
-    items 17 and 18)."""
-    return target_platform() == "cpu" and any(
-        jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays
-    )
+    """`Policy.narrow` under the policy of the platform being compiled for (`platform_of`),
+    for the primitives that are not handed a policy."""
+    return Policy.for_platform(platform_of()).narrow(*arrays)
+
+
+def target_platform() -> str:
+    """The platform (`"cpu"`, `"gpu"`, `"tpu"`, ...) being compiled for: the context mesh's,
+    else JAX's default backend."""
+    return platform_of()

@@ -113,12 +113,10 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     with jax.set_mesh(mesh):
         axes = batch_axes(cache.positions.shape[0])
 
-    def sharding(path, _):
-        # `.layers[i][p]...`: a scanned stack's cache, with a leading layer axis.
-        stacked = len(path) > 2 and isinstance(path[2], jax.tree_util.SequenceKey)
-        return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, axes))
+    def stacked(layers):  # every layer's cache has a leading layer axis
+        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(None, axes)), layers)
 
-    return jax.tree_util.tree_map_with_path(sharding, cache)
+    return KVCache(stacked(cache.layers), NamedSharding(mesh, PartitionSpec(axes)), cache.max_len)
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:

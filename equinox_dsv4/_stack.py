@@ -1,8 +1,10 @@
-"""A scanned segment of the layer plan: the layers of a repeating period, their weights stacked
-along a leading `repeats` axis, run by one `lax.scan` (or a Python loop over the same stacked
-weights), with rematerialisation policies for training."""
+"""A segment of the layer plan: the layers of a repeating period, their weights stacked along a
+leading `repeats` axis (a layer that does not repeat is a stack of one), run by one period body
+under one of two drivers (`lax.scan`, or a Python loop over the same stacked weights), with
+rematerialisation policies for training."""
 
-import functools
+import dataclasses
+import typing
 
 import equinox as eqx
 import jax
@@ -13,12 +15,11 @@ from jaxtyping import Array, Float, Int
 from ._block import Block
 from ._cache import LayerCache
 from ._config import Config
-from ._experts import in_layer_stack
-from ._layers import zeros_after
+from ._forms import index_after, take_layer
 from ._moe import RouterStats
 from ._parallel import constrain_batch
 from ._plan import Segment
-from ._policy import narrow_on_cpu
+from ._policy import Policy
 
 
 # `remat` policies for training: what a layer keeps for the backward pass (the rest is
@@ -40,53 +41,9 @@ def with_remat(fn, remat: str | None):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
 
-def _loop_widens(stacks) -> bool:
-    # XLA:CPU computes 16-bit floats in float32 and hoists the conversion of a loop-invariant
-    # operand out of the loop: scanned over as they are, bf16 stacks are converted to float32
-    # whole in front of the layer loop, on every call (the small config's 43-layer bf16 decode
-    # step: 2.3 GiB of temporaries; benchmarks/NOTES.md, item 17).
-    return narrow_on_cpu(*jax.tree.leaves(stacks))
-
-
-def _index_after(r: int, after: Array) -> Array:
-    # `r`, as a value computed from `after`: with static slices XLA:CPU's scheduler took every
-    # layer's at the start of the program (the small config's 43-layer prefill: 2.3 GiB of
-    # temporaries, the stacked weights once more; benchmarks/NOTES.md, item 21). A NaN in
-    # `after`, in one sequence, must not pick another layer for the others.
-    zero = zeros_after((), jnp.float32, after)
-    return r + jnp.where(jnp.isnan(zero), 0.0, zero).astype(jnp.int32)
-
-
-def _layer_after(r: int, stacks, after: Array):
-    # Layer r's slices of `stacks` (copies), taken once `after` exists (`_index_after`).
-    i = _index_after(r, after)
-
-    def take(a):
-        if not jnp.issubdtype(a.dtype, jnp.inexact):
-            return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-        return _index(a, i, r)
-
-    return jax.tree.map(take, stacks)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _index(a: Array, i: Array, r: int) -> Array:
-    return jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
-
-
-@_index.defjvp
-def _index_jvp(r, primals, tangents):
-    # The tangent is the static slice (`i` is always `r`), so the gradient is its transpose, a
-    # pad, as with the static slices before. A dynamic index's transpose writes each
-    # layer's gradient into a zero stack: the 12-layer unrolled train step's temporaries went
-    # from 1,617 to 1,768 MiB that way.
-    a, i = primals
-    return _index(a, i, r), tangents[0][r]
-
-
 class LayerStack(eqx.Module):
-    """A scanned segment of the plan: `blocks[p]` holds the weights of the layers at position `p`
-    of the period, stacked along a leading axis of length `repeats`."""
+    """A segment of the plan: `blocks[p]` holds the weights of the layers at position `p` of the
+    period, stacked along a leading axis of length `repeats` (1 for a layer run on its own)."""
 
     blocks: tuple[Block, ...]
     repeats: int = eqx.field(static=True)
@@ -126,94 +83,121 @@ class LayerStack(eqx.Module):
         count: Int[Array, " batch"],
         caches: tuple[LayerCache, ...],
         *,
+        policy: Policy,
         scan: bool = True,
         remat: str | None = None,
         in_place: bool = False,
     ) -> tuple[
         Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...], tuple[RouterStats, ...]
     ]:
-        """Applies the `repeats x period` layers in order to a chunk (see `Block.step`);
-        `scan=False` unrolls the same stacked weights into a Python loop (more to compile, same
-        numbers); `remat` names a rematerialisation policy (`REMAT_POLICIES`) for each period.
-        `in_place=True` (what `decode` uses) keeps the compressed entries as whole stacks,
-        each layer writing its new ones into them (`LayerCache.split` / `join`), so that a
-        donated cache is updated in place; otherwise (`forward`, where with `remat` a period's
-        saved inputs would hold the whole stacked entries) they are sliced out and stacked anew
-        with the rest of each layer's cache.
+        """Applies the `repeats x period` layers in order to a chunk (see `Block.step`).
+
+        One period body runs under one of two drivers: `lax.scan` over the repeats, or with
+        `scan=False` (and for a stack of one) a Python loop over the same stacked weights (more
+        to compile, same numbers). `Route` says where the weights and caches travel. `remat`
+        names a rematerialisation policy (`REMAT_POLICIES`) for each period. `in_place=True`
+        (what `decode` uses) keeps the compressed entries as whole stacks, each layer writing
+        its new ones into them (`LayerCache.split` / `join`), so that a donated cache is
+        updated in place; otherwise (`forward`, where with `remat` a period's saved inputs
+        would hold the whole stacked entries) they are sliced out and stacked anew with the
+        rest of each layer's cache.
 
         **Returns:** `(streams, caches, stats)`, caches and stats stacked along `repeats`."""
+        scan = scan and self.repeats > 1
+        route = Route.decide(policy, self.blocks, scan=scan, in_place=in_place)
+        inner = dataclasses.replace(policy, gather_experts=self.repeats > 1)
 
-        def period(x, layer):
-            blocks, caches = layer
+        def period(x, blocks, caches):
             # This layer's slice of the stacked weights, fixed here: otherwise XLA may move a
-            # conversion (e.g. XLA:CPU's bf16 -> f32 before a dot) in front of the slicing and
-            # out of the loop, materialising a converted copy of the whole stack. (Not enough
-            # on XLA:CPU, which converts in front of the slicing itself: see `_loop_widens`.)
-            blocks = jax.lax.optimization_barrier(blocks)
+            # conversion in front of the slicing and out of the loop, materialising a
+            # converted copy of the whole stack (`Route.carry_weights` for XLA:CPU, which
+            # converts in front of the slicing itself). A stack of one is its parameters.
+            if self.repeats > 1:
+                blocks = jax.lax.optimization_barrier(blocks)
             new, stats = [], []
-            with in_layer_stack():
-                for block, cache in zip(blocks, caches, strict=True):
-                    x, cache, s = block.step(x, ids, start, count, cache)
-                    x = constrain_batch(x)
-                    new.append(cache)
-                    stats.append(s)
-            return x, (tuple(new), tuple(stats))
+            for block, cache in zip(blocks, caches, strict=True):
+                x, cache, s = block.step(x, ids, start, count, cache, policy=inner)
+                x = constrain_batch(x)
+                new.append(cache)
+                stats.append(s)
+            return x, tuple(new), tuple(stats)
 
         period = with_remat(period, remat)
-        widen = scan and _loop_widens(self.blocks)
-        if in_place:
-            # The entries ride in the carry; the fixed-size rest of each layer's cache is
-            # scanned over and stacked anew like the weights (carried and written back as well,
-            # it made the 43-layer decode step 10% slower at a 1k context).
-            entries, rest = _split(caches)
-            if scan:
+        entries, rest = _split(caches) if in_place else (None, caches)
+        held = {"entries": entries} if in_place else {}
+        swept = {}
+        (held if route.carry_weights else swept)["weights"] = self.blocks
+        (held if route.carry_cache else swept)["cache"] = rest
 
-                def body(carry, xs):
-                    x, stacks, entries = carry
-                    r, blocks, rest = xs
-                    if widen:  # see below
-                        stacks, entries = jax.lax.optimization_barrier((stacks, entries))
-                        blocks = jax.tree.map(lambda a: a[r], stacks)
-                    x, (new, stats) = period(x, (blocks, _join(rest, entries, r)))
-                    entries, rest = _split(new)
-                    return (x, stacks, entries), (rest, stats)
+        def body(carry, xs):
+            # One period: layer r's weights and cache, from the carry (indexed) or swept.
+            x, held = carry
+            r, swept = xs
+            if route.carry_weights:
+                held = jax.lax.optimization_barrier(held)
+            layer = {k: jax.tree.map(lambda a: a[r], v) for k, v in held.items() if k != "entries"}
+            layer.update(swept)
+            cache = layer["cache"]
+            if in_place:
+                cache = _join(cache, held["entries"], r)
+            x, new, stats = period(x, layer["weights"], cache)
+            held = dict(held)
+            if in_place:
+                held["entries"], new = _split(new)
+            out = {"stats": stats}
+            if route.carry_cache:
+                held["cache"] = jax.tree.map(lambda a, n: a.at[r].set(n), held["cache"], new)
+            else:
+                out["cache"] = new
+            return (x, held), out
 
-                stacks, blocks = (self.blocks, None) if widen else (None, self.blocks)
-                xs = (jnp.arange(self.repeats), blocks, rest)
-                (x, _, entries), (rest, stats) = jax.lax.scan(body, (x, stacks, entries), xs)
-                return x, _join(rest, entries), stats
-            outs = []
-            for r in range(self.repeats):
-                blocks, layer_rest = _layer_after(r, (self.blocks, rest), x)
-                layer = _join(layer_rest, entries, _index_after(r, x))
-                x, (new, s) = period(x, (blocks, layer))
-                entries, new_rest = _split(new)
-                outs.append((new_rest, s))
-            rest, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-            return x, _join(rest, entries), stats
-        if widen:
-            # The stacks ride in the carry, through a barrier, so that XLA sees them change and
-            # cannot hoist their conversion out of the loop; each layer's slice is taken inside.
-            def carried(carry, r):
-                x, stacks, caches = carry
-                stacks, caches = jax.lax.optimization_barrier((stacks, caches))
-                blocks, layer = jax.tree.map(lambda a: a[r], (stacks, caches))
-                x, (new, stats) = period(x, (blocks, layer))
-                caches = jax.tree.map(lambda a, n: a.at[r].set(n), caches, new)
-                return (x, stacks, caches), stats
-
-            carry = (x, self.blocks, caches)
-            (x, _, new), stats = jax.lax.scan(carried, carry, jnp.arange(self.repeats))
-            return x, new, stats
         if scan:
-            x, (new, stats) = jax.lax.scan(period, x, (self.blocks, caches))
-            return x, new, stats
-        outs = []
-        for r in range(self.repeats):
-            x, out = period(x, _layer_after(r, (self.blocks, caches), x))
-            outs.append(out)
-        new, stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        return x, new, stats
+            (x, held), out = jax.lax.scan(body, (x, held), (jnp.arange(self.repeats), swept))
+        else:
+            (x, held), out = _python_loop(body, (x, held), swept, self.repeats, policy)
+        rest = held["cache"] if route.carry_cache else out["cache"]
+        return x, _join(rest, held["entries"]) if in_place else rest, out["stats"]
+
+
+class Route(typing.NamedTuple):
+    """Where a layer stack's weights and caches travel through the layer loop: in the loop's
+    carry (each period indexes its layer out of the whole stack), or swept (the scan's `xs`,
+    or sliced per layer by the Python loop). Compressed entries updated in place always ride
+    in the carry."""
+
+    carry_weights: bool
+    carry_cache: bool
+
+    @classmethod
+    def decide(cls, policy: Policy, blocks, *, scan: bool, in_place: bool) -> "Route":
+        # Swept, a 16-bit stack is a loop-invariant operand of the scan, and XLA:CPU hoists its
+        # conversion to float32 out of the loop: the whole stack converted on every call. In
+        # the carry, through a barrier, XLA sees it change. The caches ride along with the
+        # weights, except in place (then only their fixed-size rest is swept, stacked anew).
+        widen = (
+            scan
+            and policy.carry_stacks
+            and any(
+                jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
+                for a in jax.tree.leaves(blocks)
+            )
+        )
+        return cls(carry_weights=widen, carry_cache=widen and not in_place)
+
+
+def _python_loop(body, carry, swept, n: int, policy: Policy):
+    # The second driver: `lax.scan`'s contract, unrolled. Layer r's slices are taken when the
+    # loop reaches it (`index_after` where the policy asks for late slices); a stack of one
+    # is its only layer.
+    outs = []
+    for r in range(n):
+        i = r if n == 1 or not policy.late_slices else index_after(r, carry[0])
+        layer = jax.tree.map(lambda a, i=i, r=r: take_layer(a, i, r), swept)
+        carry, out = body(carry, (i, layer))
+        outs.append(out)
+    if n == 1:
+        return carry, jax.tree.map(lambda a: a[None], outs[0])
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
 
 def _split(caches: tuple[LayerCache, ...]):
@@ -222,5 +206,5 @@ def _split(caches: tuple[LayerCache, ...]):
     return tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
 
-def _join(rests, entries, layer: Array | None = None) -> tuple[LayerCache, ...]:
+def _join(rests, entries, layer: Array | int | None = None) -> tuple[LayerCache, ...]:
     return tuple(c.join(e, layer) for c, e in zip(rests, entries, strict=True))

@@ -28,8 +28,9 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from ._block import Block
-from ._model import DeepseekV4, LayerStack, Stats
+from ._model import DeepseekV4, Stats
 from ._moe import RouterStats
+from ._policy import Policy, resolve
 
 
 class Batch(eqx.Module):
@@ -101,14 +102,12 @@ def cross_entropy(
 
 
 def _all_stats(model: DeepseekV4, stats: Stats) -> list[tuple[Any, RouterStats]]:
-    """(gate, stats) of every MoE layer; a scanned stack's come stacked along its repeats."""
-    out = []
-    for layer, s in zip(model.layers, stats, strict=True):
-        if isinstance(layer, LayerStack):
-            out.extend((b.ffn.gate, st) for b, st in zip(layer.blocks, s, strict=True))
-        else:
-            out.append((layer.ffn.gate, s))
-    return out
+    """(gate, stats) of every period position of every segment, stacked along its repeats."""
+    return [
+        (b.ffn.gate, st)
+        for layer, s in zip(model.layers, stats, strict=True)
+        for b, st in zip(layer.blocks, s, strict=True)
+    ]
 
 
 def balance_loss(model: DeepseekV4, stats: Stats) -> Float[Array, ""]:
@@ -134,15 +133,15 @@ def update_router_bias(
             return b
         return eqx.tree_at(lambda b: b.ffn.gate.bias, b, new_bias(b.ffn.gate.bias, s.load))
 
-    layers = []
-    for layer, s in zip(model.layers, stats, strict=True):
-        if isinstance(layer, LayerStack):
-            blocks = tuple(block(b, st) for b, st in zip(layer.blocks, s, strict=True))
-            layer = eqx.tree_at(lambda stack: stack.blocks, layer, blocks)
-        else:
-            layer = block(layer, s)
-        layers.append(layer)
-    model = eqx.tree_at(lambda m: m.layers, model, tuple(layers))
+    layers = tuple(
+        eqx.tree_at(
+            lambda stack: stack.blocks,
+            layer,
+            tuple(block(b, st) for b, st in zip(layer.blocks, s, strict=True)),
+        )
+        for layer, s in zip(model.layers, stats, strict=True)
+    )
+    model = eqx.tree_at(lambda m: m.layers, model, layers)
     if mtp_stats is not None and model.mtp:
         first = eqx.tree_at(lambda m: m.block, model.mtp[0], block(model.mtp[0].block, mtp_stats))
         model = eqx.tree_at(lambda m: m.mtp, model, (first, *model.mtp[1:]))
@@ -156,24 +155,28 @@ def loss_and_stats(
     mtp_weight: float = 0.0,
     balance_weight: float = 0.0,
     remat: str | None = None,
+    policy: Policy | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Any]]:
-    """The training objective `lm + mtp_weight * mtp + balance_weight * balance`.
+    """The training objective `lm + mtp_weight * mtp + balance_weight * balance`, laid out by
+    `policy` (default: the one for the model's platform).
 
     **Returns:** `(loss, aux)` with `aux` holding the separate terms (`lm`, `mtp`, `balance`),
     `tokens` (counted positions) and the routing statistics (`stats`, `mtp_stats`).
     """
-    streams, stats = model.forward(batch.input_ids, remat=remat)
-    lm, tokens = cross_entropy(model.logits(streams), batch.labels, batch.loss_mask)
+    policy = resolve(policy, model)
+    streams, stats = model.forward(batch.input_ids, remat=remat, policy=policy)
+    logits = model.logits(streams, policy=policy)
+    lm, tokens = cross_entropy(logits, batch.labels, batch.loss_mask)
     loss = lm
     aux: dict[str, Any] = {"lm": lm, "tokens": tokens, "stats": stats, "mtp_stats": None}
     if mtp_weight and model.mtp:
         # Position t sees token t + 1 (its label) and predicts token t + 2 (the next label);
         # the last position has no such target.
-        h, _, mtp_stats = model.mtp[0].with_stats(streams, batch.labels, model.embed)
+        h, _, mtp_stats = model.mtp[0].with_stats(streams, batch.labels, model.embed, policy=policy)
         targets = jnp.roll(batch.labels, -1, axis=1)
         mask = batch.loss_mask * jnp.roll(batch.loss_mask, -1, axis=1)
         mask = mask.at[:, -1].set(0.0)
-        mtp, _ = cross_entropy(model.head(h, dtype=jnp.float32), targets, mask)
+        mtp, _ = cross_entropy(model.head(h, dtype=jnp.float32, policy=policy), targets, mask)
         loss = loss + mtp_weight * mtp
         aux["mtp"], aux["mtp_stats"] = mtp, mtp_stats
     if balance_weight:
@@ -236,6 +239,7 @@ def make_train_step(
     bias_update_rate: float = 1e-3,
     remat: str | None = "dots",
     donate: bool = True,
+    policy: Policy | None = None,
 ) -> "TrainStep":
     """The jitted training step `step(state, batch) -> (state, metrics)`.
 
@@ -248,12 +252,13 @@ def make_train_step(
     - `bias_update_rate`: step of the auxiliary-loss-free router-bias update (0 disables it).
     - `remat`: rematerialisation policy per layer (`REMAT_POLICIES`), or `None`.
     - `donate`: donate the incoming state's buffers (the caller must not reuse it).
+    - `policy`: the execution `Policy` (default: decided per call from the state's platform).
 
     **Returns:** the step function. `metrics` holds `loss`, `lm`, `mtp`, `balance`, `tokens`,
     `grad_norm` and the per-layer expert `load` of the step (float32).
     """
 
-    def step(batch: Batch, state: TrainState):
+    def step(batch: Batch, state: TrainState, policy: Policy):
         spec = trainable(state.model)
         params, frozen = eqx.partition(state.model, spec)
 
@@ -264,6 +269,7 @@ def make_train_step(
                 mtp_weight=mtp_weight,
                 balance_weight=balance_weight,
                 remat=remat,
+                policy=policy,
             )
 
         (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
@@ -286,31 +292,38 @@ def make_train_step(
         }
         return TrainState(model, opt_state, state.step + 1), metrics
 
-    return TrainStep(step, donate)
+    return TrainStep(step, donate, policy)
 
 
 class TrainStep:
     """`step(state, batch) -> (state, metrics)`, jitted; `step.lower(state, batch)` gives the
     lowered program (for `.compile().memory_analysis()`), from arrays or from
     `jax.ShapeDtypeStruct`s (e.g. `eqx.filter_eval_shape` of a full-size state, with shardings
-    on a mesh of another platform's devices)."""
+    on a mesh of another platform's devices). The execution `Policy` is the one for the
+    platform of the state's arrays (or of the context mesh), unless `policy` is given."""
 
-    def __init__(self, step: Callable[[Batch, TrainState], Any], donate: bool):
+    def __init__(
+        self,
+        step: Callable[[Batch, TrainState, Policy], Any],
+        donate: bool,
+        policy: Policy | None = None,
+    ):
         # The batch goes first so that "all-except-first" donates exactly the state.
-        self._step, self._donate = step, donate
+        self._step, self._donate, self._policy = step, donate, policy
         self._jitted = eqx.filter_jit(step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        return self._jitted(batch, state)
+        return self._jitted(batch, state, resolve(self._policy, state.model))
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         def is_leaf(x: Any) -> bool:
             return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
         (dynamic_batch, dynamic_state), static = eqx.partition((batch, state), is_leaf)
+        policy = resolve(self._policy, state.model)
 
         def step(dynamic_batch: Any, dynamic_state: Any) -> Any:
-            return self._step(*eqx.combine((dynamic_batch, dynamic_state), static))
+            return self._step(*eqx.combine((dynamic_batch, dynamic_state), static), policy)
 
         donate = (1,) if self._donate else ()
         return jax.jit(step, donate_argnums=donate).lower(dynamic_batch, dynamic_state)

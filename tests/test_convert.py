@@ -220,9 +220,9 @@ def test_sharded_load_on_eight_devices(release):
         strict=True,
     ):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == spec
-    w1 = sharded.layers[3].ffn.experts.w1
-    assert w1.sharding.spec == P("expert", None, "fsdp")  # [experts, inter, d_model]
-    assert w1.addressable_shards[0].data.shape == (2, 16, 16)
+    w1 = sharded.layers[3].blocks[0].ffn.experts.w1
+    assert w1.sharding.spec == P(None, "expert", None, "fsdp")  # [1, experts, inter, d_model]
+    assert w1.addressable_shards[0].data.shape == (1, 2, 16, 16)
     np.testing.assert_allclose(logits(sharded), logits(convert.load_hf(path)), atol=1e-5, rtol=1e-5)
 
 
@@ -240,8 +240,8 @@ def test_convert_then_load_is_bit_exact(release, tmp_path):
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(direct), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert loaded.layers[0].attn.wq_a.weight.dtype == jnp.bfloat16
-    assert loaded.layers[0].attn.attn_sink.dtype == jnp.float32
+    assert loaded.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    assert loaded.layers[0].blocks[0].attn.attn_sink.dtype == jnp.float32
 
 
 def test_save_load_round_trip_and_sharded_load(tmp_path, hf_saved):
@@ -252,7 +252,7 @@ def test_save_load_round_trip_and_sharded_load(tmp_path, hf_saved):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = ed.load(tmp_path / "saved", mesh=mesh)
-    assert sharded.layers[4].ffn.experts.w3.sharding.spec == P("expert", None, None)
+    assert sharded.layers[4].blocks[0].ffn.experts.w3.sharding.spec == P(None, "expert", None, None)
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(FileExistsError):
@@ -269,7 +269,7 @@ def test_cli(release, tmp_path):
     assert "converted" in result.stderr and "peak RSS" in result.stderr
     model = ed.load(out)
     assert model.config.num_hidden_layers == 3 and not model.mtp
-    assert model.layers[0].attn.wq_a.weight.dtype == jnp.float32
+    assert model.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.float32
     help_text = _cli("--help").stdout
     assert "--no-mtp" in help_text and "--layers" in help_text
 
@@ -331,7 +331,7 @@ BAD_INPUTS = {
             bad, "layers.1.attn.wkv.weight", lambda t: t.pop("layers.1.attn.wkv.weight")
         ),
         [
-            "missing tensor for .layers[1].attn.wkv.weight",
+            "missing tensor for .layers[1].blocks[0].attn.wkv.weight",
             "'layers.1.attn.wkv.scale': a scale without its weight 'layers.1.attn.wkv.weight'",
         ],
     ),

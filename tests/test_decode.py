@@ -125,7 +125,7 @@ def test_cache_is_stacked_like_the_layers(setups):
     assert csa.compressor.entries.shape == (3, 3, 64 // 4, 32)
     assert csa.indexer.entries.shape == (3, 3, 64 // 4, 16)
     assert csa.compressor.prev_kv.shape == (3, 3, 4, 32)
-    assert cache.layers[0].compressor is None  # sliding-only
+    assert cache.layers[0][0].compressor is None  # sliding-only
 
 
 def test_decoding_past_max_len_is_an_error(setups):

@@ -32,7 +32,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4 import _stack
+from equinox_dsv4 import _forms, _stack
 from equinox_dsv4._model import _check_ids
 from equinox_dsv4._stack import LayerStack
 
@@ -131,7 +131,7 @@ def test_scan_and_unrolled_give_identical_logits(models):
 
 def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
     # Unrolled, each layer's slice of the stacked weights has a hand-written derivative (the
-    # static slice's, `_stack._index`); the scan's is JAX's own.
+    # static slice's, `_forms.take_layer`); the scan's is JAX's own.
     taken = _count_layer_slices(monkeypatch)
     config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
     scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
@@ -146,9 +146,9 @@ def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
         return jnp.sum(jnp.sin(model(ids)))
 
     a = grad(scanned).layers[0]
-    assert taken == []
+    assert taken == set()
     b = grad(unrolled).layers[0]
-    assert sorted(taken) == [0, 1, 2]  # the unrolled path ran
+    assert taken == {0, 1, 2}  # the unrolled path ran
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6 * float(jnp.max(jnp.abs(x))), rtol=1e-5)
     # Every layer of the stack has its own gradient, in its own place.
@@ -162,7 +162,7 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
     for r in range(3):
 
         def ours(a, r=r):
-            return jnp.sin(ed._stack._layer_after(r, a, after))
+            return jnp.sin(_forms.take_layer(a, _forms.index_after(r, after), r))
 
         def static(a, r=r):
             return jnp.sin(a[r])
@@ -176,15 +176,16 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
         )
 
 
-def _count_layer_slices(monkeypatch) -> list[int]:
-    # The layers an unrolled stack takes out of its stacked weights, as they are traced.
-    taken, take = [], ed._stack._layer_after
+def _count_layer_slices(monkeypatch) -> set[int]:
+    # The layers an unrolled stack takes out of its stacked weights, as they are traced (an
+    # instrument: the path itself is chosen by the config).
+    taken, take = set(), _stack.take_layer
 
-    def counted(r, *args):
-        taken.append(r)
-        return take(r, *args)
+    def counted(a, i, r):
+        taken.add(r)
+        return take(a, i, r)
 
-    monkeypatch.setattr(ed._stack, "_layer_after", counted)
+    monkeypatch.setattr(_stack, "take_layer", counted)
     return taken
 
 
@@ -195,7 +196,8 @@ def test_layer_weights_do_not_depend_on_the_plan():
     assert scanned.layers[1].repeats == 2
     assert all(not s.scanned for s in flat.plan.segments)
     np.testing.assert_array_equal(
-        scanned.layers[1].blocks[0].attn.wq_a.weight[1], flat.layers[3].attn.wq_a.weight
+        scanned.layers[1].blocks[0].attn.wq_a.weight[1],
+        flat.layers[3].blocks[0].attn.wq_a.weight[0],
     )
 
 
@@ -342,8 +344,8 @@ def test_mtp_matches_reference_composition(getkey):
 def test_bfloat16_model_runs():
     config = tiny_config()
     model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 0)
-    assert model.layers[0].attn.wq_a.weight.dtype == jnp.bfloat16
-    assert model.layers[0].attn.attn_sink.dtype == jnp.float32
+    assert model.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    assert model.layers[0].blocks[0].attn.attn_sink.dtype == jnp.float32
     logits = eqx.filter_jit(model)(jnp.zeros((1, 11), jnp.int32))
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
 
@@ -374,11 +376,13 @@ def test_bfloat16_logits_close_to_float32():
     config = tiny_config(num_hash_layers=9, index_topk=16, num_nextn_predict_layers=0)
     ours = our_model(config, reference_model(config, seed=4))
     bf16 = _cast(ours, ours.config, jnp.bfloat16)
-    assert bf16.layers[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    assert bf16.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 37)), jnp.int32)
-    a = np.asarray(eqx.filter_jit(bf16)(ids))
     b = np.asarray(eqx.filter_jit(ours)(ids))
-    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-2
+    # This machine's policy and the generic one (GPUs, TPUs: no XLA:CPU forms).
+    for policy in (None, ed.Policy()):
+        a = np.asarray(bf16(ids, policy=policy))
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-2, policy
 
 
 def _cast(model, config, dtype):
@@ -391,32 +395,62 @@ def _cast(model, config, dtype):
     return jax.tree.unflatten(jax.tree.structure(skeleton), leaves)
 
 
-def test_bf16_carried_layer_scan_matches_the_plain_scan(models, monkeypatch):
+def test_bf16_carried_layer_scan_matches_the_plain_scan(models):
     # With 16-bit weights on XLA:CPU the layer scan carries its stacks and caches instead of
-    # scanning over them (`LayerStack.step`). It must compute what the plain scan computes:
-    # a chunk from the empty cache, then single tokens (each run traces anew, since the form
-    # is chosen at trace time).
+    # scanning over them (`Policy.carry_stacks`, `Route`). It must compute what the plain scan
+    # computes: a chunk from the empty cache, then single tokens.
     _, ours = models("flash_like")
     model = _cast(ours, ours.config, jnp.bfloat16)
     assert model.layers[3].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
 
-    def run():
-        @eqx.filter_jit
-        def decode(model, ids):
-            cache = model.init_cache(ids.shape[0], 32)
-            logits, cache = model.decode(ids[:, :28], cache)
-            steps = [logits]
-            for t in (28, 29):
-                logits, cache = model.decode(ids[:, t : t + 1], cache)
-                steps.append(logits)
-            return jnp.concatenate(steps, axis=1)
+    cpu = ed.Policy.for_platform("cpu")
+    assert cpu.carry_stacks
+    carried = _chunk_then_steps(model, ids, cpu)
+    swept = _chunk_then_steps(model, ids, dataclasses.replace(cpu, carry_stacks=False))
+    np.testing.assert_allclose(carried, swept, atol=1e-6, rtol=1e-6)
 
-        return decode(model, ids)
 
-    carried = run()
-    monkeypatch.setattr(_stack, "_loop_widens", lambda stacks: False)
-    np.testing.assert_allclose(carried, run(), atol=1e-6, rtol=1e-6)
+@eqx.filter_jit
+def _chunk_then_steps(model, ids, policy):
+    # Logits of ids[:, :28] from the empty cache, then of tokens 28 and 29 one by one.
+    cache = model.init_cache(ids.shape[0], 32)
+    logits, cache = model.decode(ids[:, :28], cache, policy=policy)
+    steps = [logits]
+    for t in (28, 29):
+        logits, cache = model.decode(ids[:, t : t + 1], cache, policy=policy)
+        steps.append(logits)
+    return jnp.concatenate(steps, axis=1)
+
+
+def test_every_policy_computes_the_same_model(models):
+    # The generic policy (what GPUs and TPUs run: no XLA:CPU form) against this machine's,
+    # both run here, float32: the full forward, a prefill chunk then decode steps, and the
+    # gradient. (bfloat16: `test_bfloat16_logits_close_to_float32`; the forms round
+    # differently, and a rounding can flip a top-k choice.)
+    _, model = models("flash_like")
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 30)), jnp.int32)
+    cpu, generic = ed.Policy.for_platform("cpu"), ed.Policy()
+    assert cpu != generic and not any(
+        getattr(generic, f.name) is True for f in dataclasses.fields(generic)
+    )
+    tol = dict(atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(model(ids, policy=cpu), model(ids, policy=generic), **tol)
+    np.testing.assert_allclose(
+        _chunk_then_steps(model, ids, cpu), _chunk_then_steps(model, ids, generic), **tol
+    )
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(model, policy):
+        streams, _ = model.forward(ids, remat="dots", policy=policy)
+        return jnp.sum(jnp.sin(model.logits(streams, policy=policy)))
+
+    # The forms sum products in different orders; the mHC scales' gradients (sums over every
+    # position, through Sinkhorn) carry that to ~1e-3 of a leaf's largest entry.
+    a, b = grad(model, cpu), grad(model, generic)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, atol=2e-3 * float(jnp.max(jnp.abs(x))), rtol=2e-3)
 
 
 def test_bf16_decode_step_does_not_widen_the_layer_stack():
@@ -478,7 +512,7 @@ def test_unrolled_stack_takes_each_layer_when_it_runs(kind, monkeypatch):
 
         taken.clear()
         compiled = jax.jit(run).lower(model, ids).compile()
-        assert sorted(taken) == list(range(layers))  # the unrolled path ran
+        assert taken == set(range(layers))  # the unrolled path ran
         return compiled.memory_analysis().temp_size_in_bytes
 
     taken = _count_layer_slices(monkeypatch)
