@@ -108,7 +108,7 @@ def attend(
     j = np.arange(keys.shape[2])[None, :]
     # Logits are laid out query-major, [b, n, q, h, t]: the heads of a query are contiguous,
     # which is what XLA:CPU's dot emits without a transpose (the head-major layout measured
-    # twice as slow), and the sink and denominator need no transpose either.
+    # slower), and the sink and denominator need no transpose either.
     in_window = jnp.asarray((i < j) & (j <= i + w))[None, None, :, None]
     scale = k**-0.5
     sink = lead(f32(sinks)[:, None], 5)  # [1, 1, 1, h, 1]

@@ -150,8 +150,8 @@ class AbstractCompressor(eqx.Module):
         from_state = jnp.arange(grid, dtype=jnp.int32)[None] < open_len[:, None]
 
         # Slices, not row gathers: in a scanned layer, where the state is not a constant,
-        # XLA:CPU fused the gathers into the slot concatenation and compiled kernels of several
-        # times the size (benchmarks/NOTES.md, Round 5). Grid rows past the chunk are zeros.
+        # XLA:CPU fused the gathers into the slot concatenation and compiled far larger
+        # kernels. Grid rows past the chunk are zeros.
         def lay_out(old, new):
             chunk = _window(jnp.pad(new, ((0, 0), (m, grid - t), (0, 0))), m - open_len, grid)
             old = jnp.pad(old, ((0, 0), (0, grid - m), (0, 0)))

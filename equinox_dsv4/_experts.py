@@ -154,21 +154,19 @@ def dispatch(
 
 def _one_by_one(xs, ws, chosen, w1, w2, w3, limit, policy):
     # A loop over assignments, each copying its expert's weights out of the stack; the copies
-    # share one buffer. Unrolled, every copy got its own: the small config's decode step had
-    # 38 MB of temporaries, which malloc mapped fresh, page faults included, on every token
-    # (benchmarks/NOTES.md, Round 3).
+    # share one buffer. Unrolled, every copy got its own, temporaries that malloc mapped
+    # fresh, page faults included, on every token.
     def one(_, w, a):
         x, wt = a
         return None, _expert_row(x, wt, *w, limit, policy)
 
-    return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws))[1]
+    return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws), policy)[1]
 
 
 def _gathered(xs, ws, chosen, w1, w2, w3, limit, policy):
     # The chosen experts' weights in one gather, the products batched over assignments. In a
     # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
-    # chosen experts; a loop would get the layer's slice of every expert copied in
-    # (benchmarks/NOTES.md, Round 5).
+    # chosen experts; a loop would get the layer's slice of every expert copied in.
     one = functools.partial(_expert_row, limit=limit, policy=policy)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 
@@ -219,15 +217,17 @@ def _over_rows(start, n, block, tail, carry, body):
     return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
 
 
-def _over_experts(body, carry, stacks, chosen, xs):
+def _over_experts(body, carry, stacks, chosen, xs, policy):
     # A scan of body(carry, (w1[e], w2[e], w3[e]), x) -> (carry, y) over the experts e in
-    # `chosen` and the matching entries x of `xs`. The stacks ride in the carry, through a
-    # barrier: as a loop's operand, XLA:CPU converted 16-bit stacks to float32 whole in front of
-    # the loop, on every call (decoding: benchmarks/NOTES.md, item 17; the small config's bf16
-    # prefill, every layer's stacks at the start of the program, 384 MiB: item 20).
+    # `chosen` and the matching entries x of `xs`. The stacks ride in the carry; under
+    # `Policy.carry_stacks` through a barrier: as a loop's operand, XLA:CPU converted 16-bit
+    # stacks to float32 whole in front of the loop, on every call.
+    barrier = (policy if policy is not None else Policy.for_arrays()).carry_stacks
+
     def step(carry, a):
         carry, stacks = carry
-        stacks = jax.lax.optimization_barrier(stacks)
+        if barrier:
+            stacks = jax.lax.optimization_barrier(stacks)
         e, x = a
         carry, y = body(carry, tuple(w[e] for w in stacks), x)
         return (carry, stacks), y
@@ -281,7 +281,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, polic
 
     out = _varying_like(zeros_after((xs.shape[0], w2.shape[1]), jnp.float32, xs), xs, w1)
     experts = jnp.arange(w1.shape[0])
-    out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count))[0]
+    out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count), policy)[0]
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
@@ -321,7 +321,9 @@ def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
         _varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
     )
     experts = jnp.arange(w1.shape[0])
-    (dxs, dws), (d1, d2, d3) = _over_experts(expert, init, (w1, w2, w3), experts, (first, count))
+    (dxs, dws), (d1, d2, d3) = _over_experts(
+        expert, init, (w1, w2, w3), experts, (first, count), policy
+    )
     return dxs, dws, d1, d2, d3, None, None
 
 

@@ -83,16 +83,15 @@ class LightningIndexer(eqx.Module):
         w = self.weights_proj(x, dtype=jnp.float32, policy=policy) * scale
         if s <= _FEW_QUERIES:
             # The keys as the rows of the product, read as stored. As its columns (the form
-            # below) XLA:CPU copied all of them transposed first, on every decoded token:
-            # float32 1.9x slower at 4k keys, 3.3x at 16k (benchmarks/NOTES.md, item 33). This
+            # below) XLA:CPU copied all of them transposed first, on every decoded token. This
             # layout has XLA:CPU's bf16 product with a float32 result: bf16 keys stay bf16.
             c = wider_dtype(q, keys)
             logits = jnp.einsum(
                 "bnk,bshk->bnsh", keys.astype(c), q.astype(c), preferred_element_type=jnp.float32
             )
             return jnp.einsum("bnsh,bsh->bsn", jax.nn.relu(logits), w)
-        # Many queries (a prefill chunk): the keys as the product's columns; as its rows it
-        # was 1.1-1.3x slower from 16 queries on.
+        # Many queries (a prefill chunk): the keys as the product's columns, faster from 16
+        # queries on.
         logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
 
