@@ -113,10 +113,12 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
     with jax.set_mesh(mesh):
         axes = batch_axes(cache.positions.shape[0])
 
-    def stacked(layers):  # every layer's cache has a leading layer axis
-        return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(None, axes)), layers)
+    def sharding(path, _):
+        # Under `.layers` every array has a leading layer axis (a stack's, or a stack of one).
+        stacked = path[0] == jax.tree_util.GetAttrKey("layers")
+        return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, axes))
 
-    return KVCache(stacked(cache.layers), NamedSharding(mesh, PartitionSpec(axes)), cache.max_len)
+    return jax.tree_util.tree_map_with_path(sharding, cache)
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:

@@ -70,8 +70,10 @@ def test_prefill_in_chunks_equals_one_prefill(setups):
         logits, cache = decode(model, ids[:, a:b], cache)
         np.testing.assert_allclose(logits, full[:, a:b], atol=1e-4, rtol=1e-4)
     one = decode(model, ids, model.init_cache(2, LENGTH))[1]
+    # Other chunkings are other programs, whose sums round differently: 1.2e-5 seen on an
+    # entry of 0.17, after 43 positions through 6 layers.
     for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(one), strict=True):
-        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(x, y, atol=3e-5, rtol=3e-5)
 
 
 def test_sequences_keep_their_own_positions(setups):

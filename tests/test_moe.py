@@ -114,8 +114,8 @@ def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
     expected = _dense_reference(layer, x, indices, weights, 0.7)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)  # float32 vs float64 sums
     # Inside a layer stack, decoding (no more assignments than experts) gathers the experts.
-    with ed._experts.in_layer_stack():
-        out = eqx.filter_jit(layer)(x, indices, weights)
+    gather = ed.Policy(gather_experts=True)
+    out = eqx.filter_jit(layer)(x, indices, weights, policy=gather)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -1,7 +1,7 @@
 """Compiling for TPUs without one: the tiny model's prefill, decode step and train step are
 compiled ahead of time for a TPU v5p 2x2x1 topology (libtpu is a test dependency) on a mesh of
 its four chips. The traces take the forms meant for the TPU, not XLA:CPU's, because the
-execution policy reads the platform from the mesh being compiled for."""
+execution `Policy` is decided from the platform of the mesh being compiled for."""
 
 import re
 
@@ -62,6 +62,11 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
         assert target_platform() == "tpu" and not narrow_on_cpu(bf16)
     with jax.set_mesh(_mesh(jax.devices()[:4])):
         assert target_platform() == "cpu" and narrow_on_cpu(bf16)
+    # The policy of an ahead-of-time compile follows the arrays' placement, mesh set or not.
+    assert (
+        ed.Policy.for_arrays(_model(tpu_mesh)) == ed.Policy.for_platform("tpu") == ed.Policy("tpu")
+    )
+    assert ed.Policy.for_arrays(bf16).widen_16bit and ed.Policy.for_arrays(bf16).platform == "cpu"
 
 
 def test_tpu_trace_takes_the_generic_forms(tpu_mesh):

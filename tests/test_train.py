@@ -111,12 +111,13 @@ def test_loss_terms_worked_out_by_hand():
     # MTP: position t reads token t + 1 and predicts token t + 2.
     mtp_logits = model.mtp_logits(streams, jnp.asarray(labels))
     mtp = ce(np.asarray(mtp_logits)[:, :-1], labels[:, 1:], lm_mask[:, :-1] * lm_mask[:, 1:])
-    balance = float(sum(float(s.balance) for s in aux["stats"]))
+    # Per segment, per period position, stacked along the repeats.
+    balance = float(sum(float(jnp.sum(s.balance)) for seg in aux["stats"] for s in seg))
     np.testing.assert_allclose(aux["lm"], lm, rtol=1e-5)
     np.testing.assert_allclose(aux["mtp"], mtp, rtol=1e-5)
     assert aux["tokens"] == lm_mask.sum() == 13 + 9
     np.testing.assert_allclose(loss, lm + 0.5 * mtp + 0.01 * balance, rtol=1e-5)
-    assert float(aux["stats"][0].balance) == 0.0  # the hash-routed layer
+    assert float(aux["stats"][0][0].balance[0]) == 0.0  # the hash-routed layer
 
 
 def test_balance_statistics_worked_out_by_hand():
@@ -172,20 +173,24 @@ def test_bias_update_and_frozen_leaves(small):
         assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 2 * 20 * 2)
         want = block.ffn.gate.bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
         np.testing.assert_allclose(new_stack.blocks[p].ffn.gate.bias, want, rtol=1e-6)
-    hashed = state.model.layers[0].ffn.gate
+    hashed = state.model.layers[0].blocks[0].ffn.gate
     assert hashed.bias is None
-    np.testing.assert_array_equal(new.model.layers[0].ffn.gate.tid2eid, hashed.tid2eid)
+    np.testing.assert_array_equal(new.model.layers[0].blocks[0].ffn.gate.tid2eid, hashed.tid2eid)
     # The MTP block's router is balanced too; its weights train.
     assert not np.array_equal(
         new.model.mtp[0].block.ffn.gate.bias, model.mtp[0].block.ffn.gate.bias
     )
     assert not np.array_equal(
-        new.model.layers[0].attn.wq_a.weight, model.layers[0].attn.wq_a.weight
+        new.model.layers[0].blocks[0].attn.wq_a.weight, model.layers[0].blocks[0].attn.wq_a.weight
     )
     assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
     spec = ed.trainable(model)
     gate = spec.layers[1].blocks[0].ffn.gate
-    assert gate.bias is False and gate.weight is True and spec.layers[0].ffn.gate.tid2eid is False
+    assert (
+        gate.bias is False
+        and gate.weight is True
+        and spec.layers[0].blocks[0].ffn.gate.tid2eid is False
+    )
 
 
 def test_overfits_a_fixed_text():
