@@ -222,7 +222,7 @@ def _over_experts(body, carry, stacks, chosen, xs, policy):
     # `chosen` and the matching entries x of `xs`. The stacks ride in the carry; under
     # `Policy.carry_stacks` through a barrier: as a loop's operand, XLA:CPU converted 16-bit
     # stacks to float32 whole in front of the loop, on every call.
-    barrier = (policy if policy is not None else Policy.for_arrays()).carry_stacks
+    barrier = resolve(policy).carry_stacks
 
     def step(carry, a):
         carry, stacks = carry

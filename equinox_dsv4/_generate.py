@@ -108,7 +108,7 @@ def prefill(
     """Run the prompts (row `b`: its first `lengths[b]` tokens) in chunks of `chunk` tokens
     (one compiled step whatever the prompt length; activations bounded by the chunk) and
     sample each one's next token. **Returns:** `(tokens, cache)`."""
-    policy = resolve(policy, model)
+    policy = resolve(policy, model.embed.weight)
     lengths = jnp.asarray(lengths, jnp.int32)
     last = None
     for start in range(0, ids.shape[1], chunk):
@@ -198,7 +198,7 @@ def generate(
     lengths = np.array([len(p) for p in prompts], np.int32)
     cache = model.init_cache(batch, max_len)
     key, prefill_key = jax.random.split(key)
-    policy = resolve(policy, model)
+    policy = resolve(policy, model.embed.weight)
     mesh = _mesh_of(model)
     if mesh is not None:
         cache = shard_cache(cache, mesh)

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._forms import linear_widened, set_rows_by_updates, zeros_after
 from ._parallel import batch_axes
-from ._policy import Policy, narrow_on_cpu
+from ._policy import Policy, resolve
 
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
@@ -123,7 +123,7 @@ def set_rows(
     values = values.astype(a.dtype)
     rows, cols = index
     lead = () if layer is None else (layer,)
-    narrow = narrow_on_cpu(a) if policy is None else policy.narrow(a)
+    narrow = resolve(policy).narrow(a)
     batch = a.shape[len(lead)]
     if not narrow or rows.size > _FEW_WRITES or batch_axes(batch):
         return a.at[(*lead, rows, cols)].set(values, mode="drop")
@@ -141,7 +141,7 @@ def einsum_f32(spec: str, a: Array, b: Array, *, policy: Policy | None = None) -
     `preferred_element_type` path, which XLA:CPU supports for their layouts). `policy=None`:
     the policy of the target platform.
     """
-    if narrow_on_cpu(a, b) if policy is None else policy.narrow(a, b):
+    if resolve(policy).narrow(a, b):
         a, b = f32(a), f32(b)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
@@ -166,7 +166,7 @@ def linear(
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
-    if narrow_on_cpu(x) if policy is None else policy.narrow(x):
+    if resolve(policy).narrow(x):
         return linear_widened(x, weight, out_dtype)
     return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
 

@@ -155,7 +155,7 @@ class DeepseekV4(eqx.Module):
         Compiled once per input shape (see `decode`), so calling it eagerly is safe.
         """
         _check_ids(input_ids)
-        return _jitted_call(self, input_ids, resolve(policy, self, input_ids))
+        return _jitted_call(self, input_ids, resolve(policy, self.embed.weight))
 
     def streams(
         self, input_ids: Int[Array, "batch seq"], *, policy: Policy | None = None
@@ -184,7 +184,7 @@ class DeepseekV4(eqx.Module):
         """
         _check_ids(input_ids)
         b, s = input_ids.shape
-        policy = resolve(policy, self, input_ids)
+        policy = resolve(policy, self.embed.weight)
         cache = self.init_cache(b, s, self.embed.weight.dtype)
         count = jnp.full((b,), s, jnp.int32)
         x, _, stats = self._forward(input_ids, cache, count, policy=policy, remat=remat)
@@ -240,7 +240,7 @@ class DeepseekV4(eqx.Module):
         `generate`'s steps donate it.
         """
         _check_ids(input_ids)
-        policy = resolve(policy, self, input_ids)
+        policy = resolve(policy, self.embed.weight)
         return _jitted_decode(self, input_ids, cache, num_tokens, last_only, policy)
 
     def _decode(

@@ -74,9 +74,12 @@ class Policy:
 
     def narrow(self, *arrays: Array) -> bool:
         """Whether any of `arrays` is a 16-bit float that the backend widens (`widen_16bit`)."""
-        return self.widen_16bit and any(
-            jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays
-        )
+        return self.widen_16bit and _any_16bit(arrays)
+
+    def carries(self, *arrays: Array) -> bool:
+        """Whether a layer scan over stacks holding `arrays` carries them (`carry_stacks`:
+        some are 16-bit floats)."""
+        return self.carry_stacks and _any_16bit(arrays)
 
     def per_group_projection(self, o: Array) -> bool:
         """Whether the grouped output projection of `o` `[batch, seq, ...]` takes one matmul
@@ -88,12 +91,15 @@ class Policy:
 # Tokens up to which `group_matmuls` keeps the batched einsum.
 _FEW_TOKENS = 16
 
-GENERIC = Policy()
+
+def _any_16bit(arrays) -> bool:
+    return any(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays)
 
 
 def resolve(policy: Policy | None, *trees: Any) -> Policy:
-    """`policy`, or where it is `None` the policy for the arrays of `trees` (`for_arrays`): for
-    the components' own entry points, which are also called outside the model."""
+    """`policy`, or where it is `None` the policy for the arrays of `trees` (`for_arrays`; with
+    none, for the context mesh or the default backend): for the components' own entry points
+    and primitives, which are also called outside the model."""
     return Policy.for_arrays(*trees) if policy is None else policy
 
 
@@ -114,15 +120,3 @@ def platform_of(*trees: Any) -> str:
             if devices:
                 return next(iter(devices)).platform
     return jax.default_backend()
-
-
-def narrow_on_cpu(*arrays: Array) -> bool:
-    """`Policy.narrow` under the policy of the platform being compiled for (`platform_of`),
-    for the primitives that are not handed a policy."""
-    return Policy.for_platform(platform_of()).narrow(*arrays)
-
-
-def target_platform() -> str:
-    """The platform (`"cpu"`, `"gpu"`, `"tpu"`, ...) being compiled for: the context mesh's,
-    else JAX's default backend."""
-    return platform_of()

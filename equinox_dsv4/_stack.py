@@ -174,14 +174,7 @@ class Route(typing.NamedTuple):
         # conversion to float32 out of the loop: the whole stack converted on every call. In
         # the carry, through a barrier, XLA sees it change. The caches ride along with the
         # weights, except in place (then only their fixed-size rest is swept, stacked anew).
-        widen = (
-            scan
-            and policy.carry_stacks
-            and any(
-                jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4
-                for a in jax.tree.leaves(blocks)
-            )
-        )
+        widen = scan and policy.carries(*jax.tree.leaves(blocks))
         return cls(carry_weights=widen, carry_cache=widen and not in_place)
 
 

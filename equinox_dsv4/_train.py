@@ -163,7 +163,7 @@ def loss_and_stats(
     **Returns:** `(loss, aux)` with `aux` holding the separate terms (`lm`, `mtp`, `balance`),
     `tokens` (counted positions) and the routing statistics (`stats`, `mtp_stats`).
     """
-    policy = resolve(policy, model)
+    policy = resolve(policy, model.embed.weight)
     streams, stats = model.forward(batch.input_ids, remat=remat, policy=policy)
     logits = model.logits(streams, policy=policy)
     lm, tokens = cross_entropy(logits, batch.labels, batch.loss_mask)
@@ -313,14 +313,14 @@ class TrainStep:
         self._jitted = eqx.filter_jit(step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        return self._jitted(batch, state, resolve(self._policy, state.model))
+        return self._jitted(batch, state, resolve(self._policy, state.model.embed.weight))
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         def is_leaf(x: Any) -> bool:
             return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
         (dynamic_batch, dynamic_state), static = eqx.partition((batch, state), is_leaf)
-        policy = resolve(self._policy, state.model)
+        policy = resolve(self._policy, state.model.embed.weight)
 
         def step(dynamic_batch: Any, dynamic_state: Any) -> Any:
             return self._step(*eqx.combine((dynamic_batch, dynamic_state), static), policy)

@@ -14,7 +14,7 @@ from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import equinox_dsv4 as ed
-from equinox_dsv4._policy import narrow_on_cpu, target_platform
+from equinox_dsv4._policy import platform_of, resolve
 from equinox_dsv4._sharding import cache_shardings
 
 
@@ -55,13 +55,15 @@ def _decode_step(mesh: Mesh, max_len: int, batch: int = 2):
 
 
 def test_target_platform_follows_the_mesh(tpu_mesh):
+    # With no policy and no arrays to go by (a primitive called on its own), the policy is
+    # the context mesh's platform's, else the default backend's.
     bf16 = jnp.zeros((2,), jnp.bfloat16)
-    assert target_platform() == jax.default_backend() == "cpu"
-    assert narrow_on_cpu(bf16) and not narrow_on_cpu(bf16.astype(jnp.float32))
+    assert platform_of() == jax.default_backend() == "cpu"
+    assert resolve(None).narrow(bf16) and not resolve(None).narrow(bf16.astype(jnp.float32))
     with jax.set_mesh(tpu_mesh):
-        assert target_platform() == "tpu" and not narrow_on_cpu(bf16)
+        assert platform_of() == "tpu" and not resolve(None).narrow(bf16)
     with jax.set_mesh(_mesh(jax.devices()[:4])):
-        assert target_platform() == "cpu" and narrow_on_cpu(bf16)
+        assert platform_of() == "cpu" and resolve(None).narrow(bf16)
     # The policy of an ahead-of-time compile follows the arrays' placement, mesh set or not.
     assert (
         ed.Policy.for_arrays(_model(tpu_mesh)) == ed.Policy.for_platform("tpu") == ed.Policy("tpu")
