@@ -253,6 +253,16 @@ class DeepseekV4(eqx.Module):
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
+        bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
+        # Checked on a scalar, so that the check does not pull the (sharded) positions through
+        # a single-device conditional. Only here: a forward from position 0 cannot overflow, and
+        # the check is a host callback.
+        ok = eqx.error_if(
+            jnp.zeros((), jnp.int32),
+            jnp.any(bad),
+            "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
+        )
+        cache = eqx.tree_at(lambda c: c.positions, cache, cache.positions + ok)
         x, cache, _ = self._forward(input_ids, cache, count, policy=policy, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
@@ -269,15 +279,7 @@ class DeepseekV4(eqx.Module):
         remat: str | None = None,
         in_place: bool = False,
     ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache, Stats]:
-        bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > input_ids.shape[1])
-        # Checked on a scalar, so that the check does not pull the (sharded) positions through
-        # a single-device conditional.
-        ok = eqx.error_if(
-            jnp.zeros((), jnp.int32),
-            jnp.any(bad),
-            "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
-        )
-        start = cache.positions + ok
+        start = cache.positions
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
         x = constrain_batch(x)

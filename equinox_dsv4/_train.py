@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from ._block import Block
@@ -228,7 +229,25 @@ def init_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation)
     params = eqx.filter(model, trainable(model))
     with jax.numpy_dtype_promotion("standard"):
         opt_state = eqx.filter_jit(optimizer.init)(params)
-    return TrainState(model, opt_state, jnp.zeros((), jnp.int32))
+    state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
+    weight = model.embed.weight
+    if isinstance(weight, jax.core.Tracer) or not isinstance(weight, jax.Array):
+        return state  # traced or abstract: placement is the caller's
+    # Every leaf committed to where it lives, as a restored state's are: jit compiles a step
+    # for committed arguments apart from one for uncommitted ones, so a fresh state and a
+    # restored one would otherwise cost two compiles of the same step. (A model whose arrays a
+    # donating step has consumed still serves as a template for `restore_train_state`.)
+    step_sharding = weight.sharding
+    if isinstance(step_sharding, NamedSharding):
+        step_sharding = NamedSharding(step_sharding.mesh, PartitionSpec())
+    state = eqx.tree_at(lambda s: s.step, state, jax.device_put(state.step, step_sharding))
+
+    def commit(x: Any) -> Any:
+        if not eqx.is_array(x) or x.is_deleted() or x.committed:
+            return x
+        return jax.device_put(x, x.sharding)
+
+    return jax.tree.map(commit, state)
 
 
 def make_train_step(

@@ -1,5 +1,8 @@
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 
 # The tests run on the CPU. libtpu (a test dependency, for compiling to TPU topologies) would
@@ -9,6 +12,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# Tests compile far more than they run: LLVM's optimisation passes on XLA:CPU's generated loops
+# are most of a compile and buy little here, where the matmuls are library calls. Numerics do
+# not depend on it; benchmarks do not use it.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+# One persistent compilation cache per test session, made by the first process (pytest's, or
+# xdist's controller) and inherited by the workers and by the subprocesses the tests start
+# (examples, README): a program they compile alike is compiled once.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="equinox_dsv4-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -44,3 +59,37 @@ def _release_compiled_code():
     if _mapped_regions() > 20000:
         jax.clear_caches()
         gc.collect()
+
+
+# The longest files start first, so that neither worker is left running one at the end.
+_FIRST = ("test_readme.py", "test_train.py", "test_tpu.py")
+# Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
+# lock) run on one worker; every other test goes to whichever worker is free.
+_TOGETHER = {
+    "test_convert.py": "convert",
+    "test_decode.py": "decode",
+    "test_sharding.py": "sharding",
+    "test_tpu.py": "tpu",
+    "test_train.py::test_bias_update_and_frozen_leaves": "train-small",
+    "test_train.py::test_resume_is_bit_exact": "train-small",
+}
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own `loadgroup` does not group under pytest 9.2 (its node-id suffix is lost).
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.rsplit("/", 1)[-1]
+            for key, group in _TOGETHER.items():
+                if name == key or name.startswith(key + "::") or name.startswith(key + "["):
+                    return group
+            return nodeid
+
+    return Scheduling(config, log)

@@ -29,12 +29,8 @@ def python_blocks(text: str) -> list[str]:
 
 
 def _run(code: str, cwd: pathlib.Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        PYTHONPATH=str(ROOT),
-    )
+    # conftest's XLA_FLAGS: eight CPU devices (and the compilation cache's key).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

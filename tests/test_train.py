@@ -240,6 +240,10 @@ def test_resume_is_bit_exact(tmp_path, small):
     ed.save_train_state(tmp_path / "state", half, data_position=5)
     restored, position = ed.restore_train_state(tmp_path / "state", fresh())
     assert position == 5 and int(restored.step) == 5
+    # A fresh state is committed to its device as a restored one is, so that the resumed run
+    # reuses the step compiled for the first (jit compiles the two kinds apart).
+    leaves = jax.tree.leaves(eqx.filter((fresh(), restored), eqx.is_array))
+    assert all(leaf.committed for leaf in leaves)
     resumed = run(restored, position, 10)
     for a, b in zip(
         jax.tree.leaves(eqx.filter(straight, eqx.is_array)),
