@@ -139,7 +139,8 @@ def test_decoding_past_max_len_is_an_error(setups):
     with pytest.raises(ValueError, match="positive"):
         model.init_cache(2, 0)
     # The check is a host callback, and only decoding has it: a forward (or a train step) from
-    # position 0 cannot overflow, and a callback would cost it a host round trip.
+    # position 0 cannot overflow, and JAX never writes a program with a host callback to its
+    # persistent compilation cache.
     lowered = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids[:, 8:9], cache)
     assert "callback" in lowered.as_text()
     assert "callback" not in jax.jit(lambda m, i: m(i)).lower(model, ids).as_text()
