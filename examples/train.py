@@ -7,7 +7,8 @@ auxiliary-loss-free router-bias update. AdamW with warmup and cosine decay, clip
 
 Every `--save-every` steps (and at the end) the train state (parameters, optimizer state, step
 and data position) is saved to `OUT/train_state`; running the same command again resumes from
-it exactly. At the end the model is also saved to `OUT/model`, loadable with
+it exactly (`--stop-after N` ends a run early on purpose, e.g. to fit a job's time slot). At
+the end the model is also saved to `OUT/model`, loadable with
 `examples/generate.py --checkpoint OUT/model`.
 
 With no model argument it trains the embedded tiny default from a seeded random init.
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
         "--remat", choices=("none", *ed.REMAT_POLICIES), default="dots", help="per-layer remat"
     )
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="N",
+        help="end this run after N steps, saving the state (to fit a job's time slot); the "
+        "same command without it resumes, on the same learning-rate schedule",
+    )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -94,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.steps <= 0 or args.batch <= 0 or args.seq_len <= 0 or args.save_every <= 0:
         raise ValueError("--steps, --batch, --seq-len and --save-every must be positive")
+    if args.stop_after is not None and args.stop_after <= 0:
+        raise ValueError(f"--stop-after must be positive, got {args.stop_after}")
     text = pathlib.Path(args.text).read_text()
     tokens = np.asarray(ed.encode_text(text), np.int32)
     if len(tokens) < args.seq_len + 1:
@@ -137,9 +147,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"already trained {start} >= --steps {args.steps} steps", file=sys.stderr)
             return 0
 
+        stop = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
         bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", file=sys.stderr)
         seen, timed_from = 0, None
-        for step in range(start, args.steps):
+        for step in range(start, stop):
             batch = ed.Batch.from_tokens(windows(tokens, args.seq_len, args.batch, position))
             state, metrics = step_fn(state, batch)
             position += 1
@@ -153,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 loss=f"{loss:.3f}", lm=f"{float(metrics['lm']):.3f}", tok_s=f"{rate:.0f}"
             )
             bar.update(1)
-            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.save_every == 0 or step + 1 == stop:
                 ed.save_train_state(state_dir, state, data_position=position)
         bar.close()
 
@@ -161,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     shutil.rmtree(model_dir, ignore_errors=True)
     ed.save(model_dir, state.model)
     print(
-        f"trained steps {start}..{args.steps}: final loss {loss:.4f}, "
+        f"trained steps {start}..{stop} of {args.steps}: final loss {loss:.4f}, "
         f"{rate:.0f} tokens/s after the first step; state in {state_dir}, model in {model_dir}",
         file=sys.stderr,
     )

@@ -80,6 +80,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(_FIRST)))
 
 
+@pytest.hookimpl(optionalhook=True)  # `-p no:xdist` runs without it
 def pytest_xdist_make_scheduler(config, log):
     # xdist's own `loadgroup` does not group under pytest 9.2 (its node-id suffix is lost).
     from xdist.scheduler import LoadScopeScheduling

@@ -313,12 +313,14 @@ def test_fsdp_train_step_equals_single_device():
 
 
 def test_example_train_script(tmp_path):
-    cmd = [sys.executable, "examples/train.py", "--steps", "4", "--seq-len", "32", "--batch", "2"]
+    cmd = [sys.executable, "examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
     cmd += ["--save-every", "2", "--out", str(tmp_path / "run"), "--layers", "3"]
-    first = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
+    # so the second process's step is the first's, from the session's compilation cache.)
+    first = subprocess.run(cmd + ["--stop-after", "4"], capture_output=True, text=True, cwd=ROOT)
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "run" / "train_state" / "train_state.json").is_file()
-    assert "tokens/s" in first.stderr
-    again = subprocess.run(cmd[:3] + ["6"] + cmd[4:], capture_output=True, text=True, cwd=ROOT)
+    assert "tokens/s" in first.stderr and "trained steps 0..4 of 6" in first.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0, again.stderr
-    assert "resumed at step 4" in again.stderr
+    assert "resumed at step 4" in again.stderr and "trained steps 4..6 of 6" in again.stderr
