@@ -19,8 +19,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import KVCache
 from ._forms import blocked_argmax
-from ._model import DeepseekV4
-from ._parallel import mesh_axis
+from ._model import DeepseekV4, _check_ids
+from ._parallel import committed, mesh_axis
 from ._policy import Policy, resolve
 from ._sharding import shard_cache
 
@@ -87,7 +87,8 @@ def _prefill_chunk(
     cache: KVCache,
     policy: Policy,
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    logits, cache = model.decode(ids, cache, count, last_only=True, policy=policy)
+    # Unchecked: `generate` never appends past the cache (see `_decode_loop`).
+    logits, cache = model._decode(ids, cache, count, True, policy, checked=False)
     return logits[:, 0], cache
 
 
@@ -135,9 +136,20 @@ def decode_step(
     policy: Policy | None = None,
 ) -> tuple[Int[Array, " batch"], KVCache]:
     """Append one token per active row (`active[b]` 1 or 0) and sample the next, laid out by
-    `policy` (default: the platform's)."""
-    logits, cache = model.decode(tokens[:, None], cache, active, policy=policy)
+    `policy` (default: the platform's). Appending past the cache's `max_len` is an error."""
+    return _step(model, tokens, active, cache, key, sampling, resolve(policy, model.embed.weight))
+
+
+def _step(model, tokens, active, cache, key, sampling, policy, checked=True):
+    _check_ids(tokens[:, None])
+    logits, cache = model._decode(tokens[:, None], cache, active, False, policy, checked)
     return sample(logits[:, 0], key, sampling, policy=policy), cache
+
+
+# `generate`'s step: its loop stops each row before the cache is full.
+_unchecked_step = eqx.filter_jit(
+    lambda *args: _step(*args, checked=False), donate="all-except-first"
+)
 
 
 def generate(
@@ -196,6 +208,8 @@ def generate(
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
+    # Committed, as a loaded model is: a built and a loaded model then share compiled steps.
+    model = committed(model)
     cache = model.init_cache(batch, max_len)
     key, prefill_key = jax.random.split(key)
     policy = resolve(policy, model.embed.weight)
@@ -254,7 +268,9 @@ def _decode_loop(
             break
         key, sub = jax.random.split(key)
         active = jnp.asarray(running.astype(np.int32))
-        tokens, cache = decode_step(model, jnp.asarray(new), active, cache, sub, sampling, policy)
+        tokens, cache = _unchecked_step(
+            model, jnp.asarray(new), active, cache, sub, sampling, policy
+        )
         position += running
     return out
 

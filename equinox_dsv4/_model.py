@@ -250,19 +250,24 @@ class DeepseekV4(eqx.Module):
         num_tokens: Int[Array, " batch"] | None,
         last_only: bool,
         policy: Policy,
+        checked: bool = True,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
+        # `checked=False`: for callers whose own bookkeeping keeps within the cache
+        # (`generate`). The check is a host callback, and JAX never writes a program holding
+        # one to its persistent compilation cache.
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
-        bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
-        # Checked on a scalar, so that the check does not pull the (sharded) positions through
-        # a single-device conditional. Only here: a forward from position 0 cannot overflow, and
-        # the check is a host callback.
-        ok = eqx.error_if(
-            jnp.zeros((), jnp.int32),
-            jnp.any(bad),
-            "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
-        )
-        cache = eqx.tree_at(lambda c: c.positions, cache, cache.positions + ok)
+        if checked:
+            bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
+            # Checked on a scalar, so that the check does not pull the (sharded) positions
+            # through a single-device conditional. Only here: a forward from position 0 cannot
+            # overflow.
+            ok = eqx.error_if(
+                jnp.zeros((), jnp.int32),
+                jnp.any(bad),
+                "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
+            )
+            cache = eqx.tree_at(lambda c: c.positions, cache, cache.positions + ok)
         x, cache, _ = self._forward(input_ids, cache, count, policy=policy, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]

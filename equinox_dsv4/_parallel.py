@@ -6,6 +6,8 @@ convention: `data` and `fsdp` split the batch, `tensor` splits heads and hidden 
 `expert` splits the routed experts. A missing axis, or one of size 1, is not used.
 """
 
+from typing import Any
+
 import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
@@ -46,3 +48,18 @@ def constrain_batch(x: Array) -> Array:
         return x
     spec = P(batch_axes(x.shape[0]), *(None,) * (x.ndim - 1))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def committed(tree: Any) -> Any:
+    """`tree` with every array committed to the device(s) it lives on (no copy). jit compiles
+    a program for committed arguments apart from one for uncommitted ones: a model built here
+    and one loaded from disk (committed) would otherwise cost two compiles of the same step."""
+
+    def commit(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        if x.is_deleted() or x.committed:
+            return x
+        return jax.device_put(x, x.sharding)
+
+    return jax.tree.map(commit, tree)

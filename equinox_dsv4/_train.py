@@ -31,6 +31,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 from ._block import Block
 from ._model import DeepseekV4, Stats
 from ._moe import RouterStats
+from ._parallel import committed
 from ._policy import Policy, resolve
 
 
@@ -233,21 +234,14 @@ def init_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation)
     weight = model.embed.weight
     if isinstance(weight, jax.core.Tracer) or not isinstance(weight, jax.Array):
         return state  # traced or abstract: placement is the caller's
-    # Every leaf committed to where it lives, as a restored state's are: jit compiles a step
-    # for committed arguments apart from one for uncommitted ones, so a fresh state and a
-    # restored one would otherwise cost two compiles of the same step. (A model whose arrays a
-    # donating step has consumed still serves as a template for `restore_train_state`.)
+    # Every leaf committed to where it lives, as a restored state's are, so that a fresh state
+    # and a restored one share one compiled step. (A model whose arrays a donating step has
+    # consumed still serves as a template for `restore_train_state`.)
     step_sharding = weight.sharding
     if isinstance(step_sharding, NamedSharding):
         step_sharding = NamedSharding(step_sharding.mesh, PartitionSpec())
     state = eqx.tree_at(lambda s: s.step, state, jax.device_put(state.step, step_sharding))
-
-    def commit(x: Any) -> Any:
-        if not eqx.is_array(x) or x.is_deleted() or x.committed:
-            return x
-        return jax.device_put(x, x.sharding)
-
-    return jax.tree.map(commit, state)
+    return committed(state)
 
 
 def make_train_step(

@@ -9,12 +9,21 @@ import pytest
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
+from equinox_dsv4 import _generate
+from equinox_dsv4._policy import resolve
 from equinox_dsv4._stack import LayerStack
 
 
 CONFIGS = {
-    # window 8, CSA ratio 4, HCA ratio 8, index_topk 3, hc_mult 4, YaRN.
-    "flash_like": tiny_config(num_nextn_predict_layers=0),
+    # window 8, CSA ratio 4, HCA ratio 8, index_topk 3, hc_mult 4, YaRN; a sliding hash-routed
+    # layer on its own, then a scanned (CSA, HCA) period (5 layers: every layer kind, both
+    # drivers, in three compiled blocks).
+    "flash_like": tiny_config(
+        layer_types=(S, C, H, C, H),
+        num_hash_layers=1,
+        scan_min_repeats=2,
+        num_nextn_predict_layers=0,
+    ),
     # window 16 = HCA ratio 16, hc_mult 2, no YaRN, a period-1 CSA scan.
     "pro_like": tiny_config(
         layer_types=(H, C, C, C, H),
@@ -120,16 +129,19 @@ def test_cache_is_stacked_like_the_layers(setups):
     model, _, _ = setups["flash_like"]
     cache = model.init_cache(3, 64)
     stack = model.layers[-1]
-    assert isinstance(stack, LayerStack) and stack.repeats == 3
-    hca, csa = cache.layers[-1]
-    assert hca.ring.shape == (3, 3, 8, 32) and hca.indexer is None
-    assert hca.compressor.entries.shape == (3, 3, 64 // 8, 32)
-    assert csa.compressor.entries.shape == (3, 3, 64 // 4, 32)
-    assert csa.indexer.entries.shape == (3, 3, 64 // 4, 16)
-    assert csa.compressor.prev_kv.shape == (3, 3, 4, 32)
+    assert isinstance(stack, LayerStack) and stack.repeats == 2
+    csa, hca = cache.layers[-1]  # [repeats, batch, ...]
+    assert hca.ring.shape == (2, 3, 8, 32) and hca.indexer is None
+    assert hca.compressor.entries.shape == (2, 3, 64 // 8, 32)
+    assert csa.compressor.entries.shape == (2, 3, 64 // 4, 32)
+    assert csa.indexer.entries.shape == (2, 3, 64 // 4, 16)
+    assert csa.compressor.prev_kv.shape == (2, 3, 4, 32)
     assert cache.layers[0][0].compressor is None  # sliding-only
 
 
+# Lowered by hand, the donating steps warn that `active` (int32) is not reused, as their calls
+# (filtered by Equinox) would.
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_decoding_past_max_len_is_an_error(setups):
     model, ids, _ = setups["flash_like"]
     cache = model.init_cache(2, 8)
@@ -144,6 +156,15 @@ def test_decoding_past_max_len_is_an_error(setups):
     lowered = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids[:, 8:9], cache)
     assert "callback" in lowered.as_text()
     assert "callback" not in jax.jit(lambda m, i: m(i)).lower(model, ids).as_text()
+    # The public decode step checks too; `generate`'s own steps do not (its loop stops each row
+    # before the cache is full), so that its programs are reused across processes.
+    policy = resolve(None, model.embed.weight)
+    step = (model, ids[:, 8], jnp.ones(2, jnp.int32), cache, jax.random.key(0), ed.Sampling())
+    assert "callback" in ed.decode_step.lower(*step).as_text()
+    assert "callback" not in _generate._unchecked_step.lower(*step, policy).as_text()
+    count = jnp.ones(2, jnp.int32)
+    chunk = _generate._prefill_chunk.lower(model, ids[:, 8:10], count, cache, policy)
+    assert "callback" not in chunk.as_text()
 
 
 def test_cache_bytes_by_hand():

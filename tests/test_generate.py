@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_reference import abstract, our_model, random_fill, reference_model, tiny_config
+from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
 
@@ -19,7 +19,15 @@ import equinox_dsv4 as ed
 ROOT = pathlib.Path(__file__).parent.parent
 # index_n_heads 8: with few heads many ReLU index scores tie at exactly 0, and transformers and
 # we may break such ties differently.
-CONFIG = tiny_config(index_n_heads=8, num_nextn_predict_layers=0, eos_token_id=None)
+# Five layers: a sliding hash-routed layer, then a scanned (CSA, HCA) period.
+CONFIG = tiny_config(
+    layer_types=(S, C, H, C, H),
+    num_hash_layers=1,
+    scan_min_repeats=2,
+    index_n_heads=8,
+    num_nextn_predict_layers=0,
+    eos_token_id=None,
+)
 
 
 @pytest.fixture(scope="module")
@@ -176,18 +184,20 @@ def _example(*args):
     )
 
 
+# The two runs below compile the same programs (the same model shapes, sampling and cache
+# length), which the second takes from the session's compilation cache.
 def test_example_script_default_model():
-    result = _example("--max-new-tokens", "5")
+    result = _example("--max-new-tokens", "5", "--temperature", "0.7")
     assert result.returncode == 0, result.stderr
     assert "random weights" in result.stderr.lower()
     assert "prefill" in result.stderr and "decode" in result.stderr and "tokens/s" in result.stderr
 
 
 def test_example_script_checkpoint(tmp_path):
-    model = random_fill(abstract(ed.DeepseekV4, ed.Config.tiny(num_nextn_predict_layers=0)), 3)
+    model = random_fill(abstract(ed.DeepseekV4, ed.Config.tiny()), 3)
     ed.save(tmp_path / "model", model)
     result = _example(
-        "--checkpoint", tmp_path / "model", "--max-new-tokens", "3", "--temperature", "0.7"
+        "--checkpoint", tmp_path / "model", "--max-new-tokens", "5", "--temperature", "0.7"
     )
     assert result.returncode == 0, result.stderr
 

@@ -395,13 +395,20 @@ def _cast(model, config, dtype):
     return jax.tree.unflatten(jax.tree.structure(skeleton), leaves)
 
 
-def test_bf16_carried_layer_scan_matches_the_plain_scan(models):
+def test_bf16_carried_layer_scan_matches_the_plain_scan():
     # With 16-bit weights on XLA:CPU the layer scan carries its stacks and caches instead of
     # scanning over them (`Policy.carry_stacks`, `Route`). It must compute what the plain scan
-    # computes: a chunk from the empty cache, then single tokens.
-    _, ours = models("flash_like")
-    model = _cast(ours, ours.config, jnp.bfloat16)
-    assert model.layers[3].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
+    # computes: a chunk from the empty cache, then single tokens, through a layer on its own
+    # and a scanned (CSA, HCA) period.
+    config = tiny_config(
+        layer_types=(S, C, H, C, H),
+        num_hash_layers=1,
+        scan_min_repeats=2,
+        num_nextn_predict_layers=0,
+    )
+    model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 3)
+    assert [layer.repeats for layer in model.layers] == [1, 2]
+    assert model.layers[1].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
 
     cpu = ed.Policy.for_platform("cpu")
