@@ -161,8 +161,9 @@ class DeepseekV4(eqx.Module):
         self, input_ids: Int[Array, "batch seq"], *, policy: Policy | None = None
     ) -> Float[Array, "batch seq streams d_model"]:
         """The residual streams after the last decoder layer (the MTP block's input), for a full
-        causal forward from position 0."""
-        return self.forward(input_ids, policy=policy)[0]
+        causal forward from position 0. Compiled once per input shape, as `__call__`."""
+        _check_ids(input_ids)
+        return _jitted_streams(self, input_ids, resolve(policy, self.embed.weight))
 
     def forward(
         self,
@@ -324,19 +325,29 @@ class DeepseekV4(eqx.Module):
         policy: Policy | None = None,
     ) -> Float[Array, "batch seq vocab"]:
         """Logits of the first MTP block: position `t` predicts token `t + 2` from the final
-        streams at `t` and `next_ids[:, t]` (token `t + 1`)."""
+        streams at `t` and `next_ids[:, t]` (token `t + 1`). Compiled once per input shape."""
         if not self.mtp:
             raise ValueError("this model has no MTP block (num_nextn_predict_layers == 0)")
         _check_ids(next_ids)
+        return _jitted_mtp_logits(self, streams, next_ids, resolve(policy, streams))
+
+    def _mtp_logits(
+        self,
+        streams: Float[Array, "batch seq streams d_model"],
+        next_ids: Int[Array, "batch seq"],
+        policy: Policy,
+    ) -> Float[Array, "batch seq vocab"]:
         h, _, _ = self.mtp[0].with_stats(streams, next_ids, self.embed, policy=policy)
-        return self.head(h, dtype=jnp.float32, policy=resolve(policy, streams))
+        return self.head(h, dtype=jnp.float32, policy=policy)
 
 
-# `__call__` and `decode` run through these: one compiled program per shape, inlined when the
-# caller is already being traced.
+# `__call__`, `streams`, `mtp_logits` and `decode` run through these: one compiled program per
+# shape, inlined when the caller is already being traced.
+_jitted_streams = eqx.filter_jit(lambda model, ids, policy: model.forward(ids, policy=policy)[0])
 _jitted_call = eqx.filter_jit(
-    lambda model, ids, policy: model.logits(model.streams(ids, policy=policy), policy=policy)
+    lambda model, ids, policy: model.logits(model.forward(ids, policy=policy)[0], policy=policy)
 )
+_jitted_mtp_logits = eqx.filter_jit(DeepseekV4._mtp_logits)
 _jitted_decode = eqx.filter_jit(DeepseekV4._decode)
 
 

@@ -350,6 +350,34 @@ def test_bfloat16_model_runs():
     assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
 
 
+def test_eager_entry_points_compile_once_per_shape():
+    # Run op by op, a layer scan is compiled afresh on every call (and XLA:CPU's executables
+    # pile up memory mappings until the process dies): the model's entry points are jitted.
+    config = tiny_config(layer_types=(S, C, H), num_hash_layers=1)
+    model = random_fill(abstract(ed.DeepseekV4, config), 0)
+    ids = jnp.zeros((1, 9), jnp.int32)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+
+    def call_each():
+        model.mtp_logits(model.streams(ids), ids)
+        model(ids)
+
+    try:
+        call_each()
+        first = len(compiles)
+        call_each()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first <= 6, f"{first} programs compiled by one eager call of each"
+    assert len(compiles) == first, "the second calls compiled again"
+
+
 def test_bad_inputs_are_rejected():
     model = random_fill(abstract(ed.DeepseekV4, tiny_config()), 0)
     # Under the test suite's runtime type checker the annotations reject these first
@@ -418,9 +446,9 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan():
     np.testing.assert_allclose(carried, swept, atol=1e-6, rtol=1e-6)
 
 
-@eqx.filter_jit
 def _chunk_then_steps(model, ids, policy):
-    # Logits of ids[:, :28] from the empty cache, then of tokens 28 and 29 one by one.
+    # Logits of ids[:, :28] from the empty cache, then of tokens 28 and 29 one by one: two
+    # programs per policy (the chunk's, the step's), each step as it runs in a decode loop.
     cache = model.init_cache(ids.shape[0], 32)
     logits, cache = model.decode(ids[:, :28], cache, policy=policy)
     steps = [logits]
