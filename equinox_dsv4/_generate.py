@@ -86,9 +86,9 @@ def _prefill_chunk(
     count: Int[Array, " batch"],
     cache: KVCache,
     policy: Policy,
+    checked: bool,
 ) -> tuple[Float[Array, "batch vocab"], KVCache]:
-    # Unchecked: `generate` never appends past the cache (see `_decode_loop`).
-    logits, cache = model._decode(ids, cache, count, True, policy, checked=False)
+    logits, cache = model._decode(ids, cache, count, True, policy, checked)
     return logits[:, 0], cache
 
 
@@ -108,8 +108,13 @@ def prefill(
 ) -> tuple[Int[Array, " batch"], KVCache]:
     """Run the prompts (row `b`: its first `lengths[b]` tokens) in chunks of `chunk` tokens
     (one compiled step whatever the prompt length; activations bounded by the chunk) and
-    sample each one's next token. **Returns:** `(tokens, cache)`."""
+    sample each one's next token. Appending past the cache's `max_len` is an error.
+    **Returns:** `(tokens, cache)`."""
     policy = resolve(policy, model.embed.weight)
+    return _prefill(model, ids, lengths, cache, key, sampling, chunk, policy, checked=True)
+
+
+def _prefill(model, ids, lengths, cache, key, sampling, chunk, policy, checked):
     lengths = jnp.asarray(lengths, jnp.int32)
     last = None
     for start in range(0, ids.shape[1], chunk):
@@ -119,7 +124,7 @@ def prefill(
         count = jnp.clip(lengths - start, 0, part.shape[1])
         ends_here = ((count > 0) & (start + count == lengths))[:, None]
         # Donates count and cache.
-        logits, cache = _prefill_chunk(model, part, count, cache, policy)
+        logits, cache = _prefill_chunk(model, part, count, cache, policy, checked)
         last = logits if last is None else jnp.where(ends_here, logits, last)
     assert last is not None
     return _sample(last, key, sampling, policy=policy), cache
@@ -208,16 +213,20 @@ def generate(
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    # Committed, as a loaded model is: a built and a loaded model then share compiled steps.
-    model = committed(model)
+    mesh = _mesh_of(model)
+    if mesh is None:
+        # Committed, as a loaded model is: a built and a loaded model share compiled steps.
+        model = committed(model)
     cache = model.init_cache(batch, max_len)
     key, prefill_key = jax.random.split(key)
     policy = resolve(policy, model.embed.weight)
-    mesh = _mesh_of(model)
     if mesh is not None:
         cache = shard_cache(cache, mesh)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, cache = prefill(
+        # Unchecked (no host callback, so its programs are cached across processes): the
+        # prompts fit `max_len` (checked above) in a fresh cache, and `_decode_loop` stops each
+        # row before the cache is full.
+        tokens, cache = _prefill(
             model,
             jnp.asarray(ids),
             jnp.asarray(lengths),
@@ -225,7 +234,8 @@ def generate(
             prefill_key,
             sampling,
             prefill_chunk,
-            policy=policy,
+            policy,
+            checked=False,
         )
         return _decode_loop(
             model,

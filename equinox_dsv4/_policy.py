@@ -3,7 +3,8 @@
 The math is the same under every policy. A few computations have a second form that exists
 only for one backend (XLA:CPU computes 16-bit floats in float32 and schedules breadth first);
 `Policy` says which forms a program uses. It is decided once, where a computation enters
-`jit` (`DeepseekV4.__call__` / `decode` / `forward`, `generate`'s steps, the train step), from
+`jit` (`DeepseekV4.__call__` / `streams` / `mtp_logits` / `decode` / `forward`, `generate`'s
+steps, the train step), from
 the platform the arrays live on, and handed down explicitly: it is static, so each policy is
 its own compiled program, and a test can run any policy on any machine.
 

@@ -8,7 +8,7 @@ auxiliary-loss-free router-bias update. AdamW with warmup and cosine decay, clip
 Every `--save-every` steps (and at the end) the train state (parameters, optimizer state, step
 and data position) is saved to `OUT/train_state`; running the same command again resumes from
 it exactly (`--stop-after N` ends a run early on purpose, e.g. to fit a job's time slot). At
-the end the model is also saved to `OUT/model`, loadable with
+the end (or at `--stop-after`) the model is also saved to `OUT/model`, loadable with
 `examples/generate.py --checkpoint OUT/model`.
 
 With no model argument it trains the embedded tiny default from a seeded random init.
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         "--stop-after",
         type=int,
         metavar="N",
-        help="end this run after N steps, saving the state (to fit a job's time slot); the "
-        "same command without it resumes, on the same learning-rate schedule",
+        help="end this run after N steps, saving the state and the model (to fit a job's time "
+        "slot); running the command again resumes, on the same learning-rate schedule",
     )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")

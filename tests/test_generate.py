@@ -184,8 +184,9 @@ def _example(*args):
     )
 
 
-# The two runs below compile the same programs (the same model shapes, sampling and cache
-# length), which the second takes from the session's compilation cache.
+# The two runs below compile the same programs (the same weights' shapes, sampling and cache
+# length; the checkpoint's MTP block, which generation does not read, is no argument of a
+# compiled program), which the second takes from the session's compilation cache.
 def test_example_script_default_model():
     result = _example("--max-new-tokens", "5", "--temperature", "0.7")
     assert result.returncode == 0, result.stderr
