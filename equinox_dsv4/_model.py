@@ -343,9 +343,13 @@ class DeepseekV4(eqx.Module):
 
 # `__call__`, `streams`, `mtp_logits` and `decode` run through these: one compiled program per
 # shape, inlined when the caller is already being traced.
-_jitted_streams = eqx.filter_jit(lambda model, ids, policy: model.forward(ids, policy=policy)[0])
+def _streams(model: DeepseekV4, ids: Array, policy: Policy) -> Array:
+    return model.forward(ids, policy=policy)[0]
+
+
+_jitted_streams = eqx.filter_jit(_streams)
 _jitted_call = eqx.filter_jit(
-    lambda model, ids, policy: model.logits(model.forward(ids, policy=policy)[0], policy=policy)
+    lambda model, ids, policy: model.logits(_streams(model, ids, policy), policy=policy)
 )
 _jitted_mtp_logits = eqx.filter_jit(DeepseekV4._mtp_logits)
 _jitted_decode = eqx.filter_jit(DeepseekV4._decode)

@@ -4,9 +4,9 @@ The math is the same under every policy. A few computations have a second form t
 only for one backend (XLA:CPU computes 16-bit floats in float32 and schedules breadth first);
 `Policy` says which forms a program uses. It is decided once, where a computation enters
 `jit` (`DeepseekV4.__call__` / `streams` / `mtp_logits` / `decode` / `forward`, `generate`'s
-steps, the train step), from
-the platform the arrays live on, and handed down explicitly: it is static, so each policy is
-its own compiled program, and a test can run any policy on any machine.
+steps, the train step), from the platform the arrays live on, and handed down explicitly: it
+is static, so each policy is its own compiled program, and a test can run any policy on any
+machine.
 
 The forms themselves live in `_forms.py`; benchmarks/NOTES.md has the measurements behind each.
 """
