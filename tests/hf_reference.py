@@ -22,7 +22,11 @@ S, C, H = ed.SLIDING, ed.CSA, ed.HCA
 
 def tiny_config(**overrides) -> ed.Config:
     """A small V4-Flash-shaped config: two sliding layers, a hash-routed CSA layer, then
-    (HCA, CSA) pairs with learned routing; HCA ratio 8, window 8, YaRN on the compress rope."""
+    (HCA, CSA) pairs with learned routing; HCA ratio 8, window 8, YaRN on the compress rope.
+
+    Three Sinkhorn iterations, as `Config.tiny()` (the release has 20: unrolled, they are
+    about half of every compiled program); three keep the column-first order and a repeated
+    (row, column) round. The mHC and full-model parity tests and the release fixture use 20."""
     layer_types = overrides.pop("layer_types", (S, S, C, H, C, H, C, H, C))
     n = overrides.pop("num_hidden_layers", len(layer_types))
     layer_types = layer_types[:n]
@@ -54,6 +58,7 @@ def tiny_config(**overrides) -> ed.Config:
         rope_scaling=ed.YarnScaling(factor=4.0, original_max_position_embeddings=32),
         max_position_embeddings=128,
         num_nextn_predict_layers=1,
+        hc_sinkhorn_iters=3,
     )
     base.update(overrides)
     return ed.Config(**base)
