@@ -61,8 +61,16 @@ def _release_compiled_code():
         gc.collect()
 
 
-# The longest files start first, so that neither worker is left running one at the end.
-_FIRST = ("test_readme.py", "test_train.py", "test_tpu.py")
+# The longest files, and the files whose tests run together (below), start first; the many
+# short tests then even out the two workers' ends.
+_FIRST = (
+    "test_readme.py",
+    "test_train.py",
+    "test_decode.py",
+    "test_tpu.py",
+    "test_sharding.py",
+    "test_convert.py",
+)
 # Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
 # lock) run on one worker; every other test goes to whichever worker is free.
 _TOGETHER = {
