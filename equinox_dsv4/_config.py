@@ -200,7 +200,7 @@ class Config:
         """The embedded default: V4-Flash's layer pattern at toy size (9 layers, hidden 64, 3
         Sinkhorn iterations where the release has 20, the real 129280-token vocabulary), from
         `equinox_dsv4/configs/tiny.json`. The Sinkhorn loop is unrolled, so at a toy width its
-        rounds are much of what every program compiles (benchmarks/NOTES.md item 38)."""
+        rounds are much of what every program compiles."""
         return cls.from_json(_CONFIG_DIR / "tiny.json", **overrides)
 
     def first_layers(self, layers: int) -> "Config":
