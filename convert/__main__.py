@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--layers", type=int, metavar="N", help="keep only the first N layers (for smoke runs)"
     )
+    parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep the release's FP8/FP4 weights as stored (values and ue8m0 scales; each "
+        "matmul dequantises its own weight): about a third of the bfloat16 size",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     with warnings.catch_warnings():  # restores the default display afterwards
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 load_mtp=False if args.no_mtp else None,
                 layers=args.layers,
                 progress=not args.quiet,
+                quantized=args.quantized,
             )
         except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -31,17 +31,22 @@ from equinox_dsv4._checkpoint import (
     PieceWriter,
     Slot,
     assign,
+    canonical_to_path,
+    quantized_meta,
     write_metadata,
 )
 
 from ._names import Transform, hf_to_canonical, scale_owner
-from ._quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8, scale_grid
+from ._quant import FP4_BLOCK, dequantize_fp4, dequantize_fp8, scale_grid, scale_multipliers
 from ._reader import TensorInfo, list_tensors, read_tensor
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """How to produce one canonical piece: read `weight` (and `scale`), dequantise, transform."""
+    """How to produce one canonical piece: read `weight` (and `scale`), dequantise, transform.
+    `kept`: the piece is a quantised weight's stored values (`"values"`: FP8 as is, packed FP4
+    as `uint8`) or its scales (`"scale"`: ue8m0 as `uint8` exponents, or float32 multipliers
+    when `is_int` is false), not dequantised."""
 
     name: str
     weight: TensorInfo
@@ -49,6 +54,7 @@ class Source:
     transform: Transform
     shape: tuple[int, ...]  # after dequantisation and transform
     is_int: bool
+    kept: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -56,15 +62,24 @@ class Source:
 
     def read(self, fp8_block: tuple[int, int]) -> np.ndarray:
         w = read_tensor(self.weight)
-        if self.scale is not None:
-            s = read_tensor(self.scale)
-            w = dequantize_fp4(w, s) if w.dtype == np.int8 else dequantize_fp8(w, s, fp8_block)
-        out = self.transform(w)
+        if self.kept is not None:
+            out = self._kept(w)
+        else:
+            if self.scale is not None:
+                s = read_tensor(self.scale)
+                w = dequantize_fp4(w, s) if w.dtype == np.int8 else dequantize_fp8(w, s, fp8_block)
+            out = self.transform(w)
         if not self.is_int and not _all_finite(out):
             raise CheckpointError(
                 [f"{self.name!r} (from {self.weight.name!r}) has NaN or inf values"]
             )
         return out
+
+    def _kept(self, w: np.ndarray) -> np.ndarray:
+        if self.kept == "scale" and not self.is_int:
+            return scale_multipliers(w)
+        # Packed FP4, ue8m0 and uint8 scales: their bytes, as uint8.
+        return w.view(np.uint8) if w.dtype.itemsize == 1 and self.is_int else w
 
 
 def _all_finite(x: np.ndarray, chunk: int = 1 << 22) -> bool:
@@ -122,10 +137,11 @@ def plan(
     dtype: Any = jnp.float32,
     load_mtp: bool | None = None,
     layers: int | None = None,
+    quantized: bool = False,
 ) -> Plan:
     """Read config and headers of `hf_dir`, map every tensor and check it against the model:
     names, shapes, dtypes, scales, the index and the files. Raises `CheckpointError` listing
-    every problem; reads no tensor data. `load_mtp` as in `load_hf`."""
+    every problem; reads no tensor data. `load_mtp` and `quantized` as in `load_hf`."""
     hf_dir = pathlib.Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
@@ -141,6 +157,13 @@ def plan(
     skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
     block = config.fp8_block_size or (128, 128)
     scales = {scale_owner(n): n for n in tensors if scale_owner(n) in tensors}
+    # ue8m0 scales are kept as their exponent bytes; any float scale makes them all float32.
+    exponents = all(tensors[n].dtype.itemsize == 1 for n in scales.values())
+    if quantized:
+        skeleton = ed.abstract_quantized(skeleton, block, np.uint8 if exponents else np.float32)
+    held = {
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(skeleton)[0]
+    }
     sources: dict[str, Source] = {}
     for name, info in tensors.items():
         if name in scales.values():
@@ -152,6 +175,10 @@ def plan(
         scale = tensors.get(scales.get(name, ""))
         for canonical, transform in targets[name]:
             if _skipped(canonical, load_mtp, layers):
+                continue
+            target = canonical_to_path(canonical, skeleton.plan)
+            if target is not None and target[0] + ".values" in held:
+                _keep(sources, canonical, info, scale, transform, block, exponents, problems)
                 continue
             shape = _logical_shape(info, scale, block, problems)
             if shape is not None:
@@ -169,6 +196,29 @@ def plan(
         raise CheckpointError(problems)
     read = {t.name: t for s in sources.values() for t in (s.weight, s.scale) if t is not None}
     return Plan(config, skeleton, sources, slots, len(read), sum(t.nbytes for t in read.values()))
+
+
+def _keep(sources, canonical, info, scale, transform, block, exponents, problems) -> None:
+    """Plan a weight the model holds quantised: its stored values and its scales, two pieces."""
+    if scale is None:
+        problems.append(
+            f"{info.name!r}: quantized=True keeps the release's FP8/FP4 weights as stored, but "
+            f"this one is stored as {info.dtype.name} without a scale; load with quantized=False"
+        )
+        return
+    if transform.part != "all":
+        problems.append(
+            f"{info.name!r}: quantized=True cannot keep a quantised w1/w3 stack (gate_up_proj) "
+            "as stored; load with quantized=False"
+        )
+        return
+    if _logical_shape(info, scale, block, problems) is None:
+        return
+    packed = info.dtype.name == "int8"
+    sources[canonical] = Source(canonical, info, None, transform, info.shape, packed, "values")
+    base = canonical[: -len(".weight")] if canonical.endswith(".weight") else canonical
+    name = base + ".scale"
+    sources[name] = Source(name, scale, None, transform, scale.shape, exponents, "scale")
 
 
 _NO_MTP_HINT = "to load without the MTP block, pass load_mtp=False (python -m convert: --no-mtp)"
@@ -254,6 +304,7 @@ def load_hf(
     load_mtp: bool | None = None,
     rules: ed.ShardingRules | None = None,
     cache_bytes: int = 2 << 30,
+    quantized: bool = False,
 ) -> ed.DeepseekV4:
     """Load a Hugging Face DeepSeek-V4 checkpoint (official release layout or transformers
     `save_pretrained` layout) into a model.
@@ -261,7 +312,8 @@ def load_hf(
     **Arguments:**
 
     - `hf_dir`: directory with `config.json` and `model.safetensors[.index.json]`.
-    - `dtype`: parameter dtype (`float32` or `bfloat16`); FP8/FP4 weights are dequantised.
+    - `dtype`: parameter dtype (`float32` or `bfloat16`); FP8/FP4 weights are dequantised
+      unless `quantized`.
     - `mesh`: when given, each leaf is created with its `NamedSharding` (`rules`), each device
       reading only what it holds, so a model larger than one device loads sharded.
     - `load_mtp`: load the MTP block (`mtp.*`). `None` (default): load it if the checkpoint
@@ -269,11 +321,16 @@ def load_hf(
       block, yet its config announces one) loads without it, with a `MTPSkippedWarning`.
       `True`: the block must be there. `False`: leave the model without one.
     - `cache_bytes`: dequantised tensors kept for devices that share them.
+    - `quantized`: keep the release's FP8 and FP4 weights as stored (`QuantizedWeight`
+      leaves: values and ue8m0 scales, dequantised by each matmul inside the computation),
+      about 0.53 bytes per routed-expert parameter and 1 per FP8 one instead of 2 in bfloat16.
+      `dtype` is then the dtype they dequantise to. The checkpoint must store those weights
+      quantised (the release does).
 
     **Returns:** the model. Raises `CheckpointError` (listing every problem) before reading any
     data if the checkpoint does not match its config.
     """
-    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp)
+    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, quantized=quantized)
     block = p.config.fp8_block_size or (128, 128)
     cache = _PieceCache(lambda s: s.read(block), cache_bytes)
     leaves, treedef = jax.tree_util.tree_flatten(p.skeleton)
@@ -313,6 +370,7 @@ def convert(
     load_mtp: bool | None = None,
     layers: int | None = None,
     progress: bool = False,
+    quantized: bool = False,
 ) -> dict[str, Any]:
     """Convert a Hugging Face checkpoint into a saved model at `out_dir` (read it with
     `equinox_dsv4.load`).
@@ -320,6 +378,8 @@ def convert(
     Validates everything first (`CheckpointError`), then streams tensors in file order, each
     dequantised, cast and written as one canonical piece. The output is written to a temporary
     sibling directory and renamed when complete; on any failure nothing is left at `out_dir`.
+    With `quantized`, the release's FP8/FP4 weights are written as stored (see `load_hf`) and
+    `equinox_dsv4.load` restores them so.
 
     **Returns:** a summary: tensors and bytes read, seconds, peak RSS in bytes.
     """
@@ -327,13 +387,13 @@ def convert(
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another path")
-    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, layers=layers)
+    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, layers=layers, quantized=quantized)
     block = p.config.fp8_block_size or (128, 128)
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     bar = _progress(p.bytes_read, p.tensors_read) if progress else None
     try:
         tmp.mkdir(parents=True)
-        write_metadata(tmp, p.config, dtype)
+        write_metadata(tmp, p.config, dtype, quantized_meta(p.skeleton))
         largest = max((s.weight.file.stat().st_size for s in p.sources.values()), default=0)
         writer = PieceWriter(tmp, flush_bytes=max(32 << 20, min(largest // 4, 1 << 30)))
         for done, source in enumerate(_file_order(p.sources.values()), 1):

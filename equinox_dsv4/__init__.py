@@ -38,6 +38,14 @@ from ._model import REMAT_POLICIES as REMAT_POLICIES, DeepseekV4 as DeepseekV4
 from ._moe import RouterStats as RouterStats
 from ._plan import LayerPlan as LayerPlan
 from ._policy import Policy as Policy
+from ._quant import QuantizedWeight as QuantizedWeight
+from ._release import (
+    abstract_quantized as abstract_quantized,
+    dequantize_model as dequantize_model,
+    is_quantized as is_quantized,
+    quantize_model as quantize_model,
+    weight_bytes as weight_bytes,
+)
 from ._sharding import (
     ShardingRules as ShardingRules,
     logical_axes as logical_axes,
@@ -97,6 +105,13 @@ __all__ = [
     "load",
     "save",
     "CheckpointError",
+    # the release's quantised weights
+    "QuantizedWeight",
+    "quantize_model",
+    "dequantize_model",
+    "abstract_quantized",
+    "is_quantized",
+    "weight_bytes",
     # sharding
     "ShardingRules",
     "make_mesh",

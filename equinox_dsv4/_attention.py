@@ -37,6 +37,7 @@ from ._layers import (
 )
 from ._parallel import mesh_axis
 from ._policy import Policy, resolve
+from ._quant import dense
 from ._rope import RoPE
 
 
@@ -335,7 +336,7 @@ class Attention(eqx.Module):
         b, s = o.shape[:2]
         g = self.o_groups
         grouped = o.reshape(b, s, g, -1)
-        wo_a = self.wo_a.weight.reshape(g, -1, grouped.shape[-1]).astype(o.dtype)
+        wo_a = dense(self.wo_a.weight, o.dtype).reshape(g, -1, grouped.shape[-1])
         if mesh_axis("tensor") > 1 or not policy.per_group_projection(o):
             # Groups split over `tensor` (ShardingRules): one einsum, each device its groups.
             z = jnp.einsum("bsgi,goi->bsgo", grouped, wo_a)

@@ -3,7 +3,8 @@
 Canonical names are the official DeepSeek-V4 release names (flat, no `model.` prefix, e.g.
 `layers.3.attn.wq_a.weight`). Routed experts have two canonical forms: one expert
 (`layers.3.ffn.experts.17.w1.weight`, as released) or the layer's stack
-(`layers.3.ffn.experts.w1`, `[experts, inter, d_model]`, as transformers stores it).
+(`layers.3.ffn.experts.w1`, `[experts, inter, d_model]`, as transformers stores it; a quantised
+stack is `layers.3.ffn.experts.w1.weight` beside its `layers.3.ffn.experts.w1.scale`).
 
 Module attributes follow the official names, so a canonical name is mostly its own pytree path;
 the exceptions are the mHC parameters (`hc_attn_fn` -> `hc_attn.fn`), the expert stacks, the
@@ -36,13 +37,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from ._config import Config
 from ._model import DeepseekV4
 from ._plan import LayerPlan
+from ._quant import FP8, QuantizedWeight
+from ._release import abstract_quantized
 from ._sharding import ShardingRules, named_shardings
 
 
 FORMAT_VERSION = 1
 _HC = re.compile(r"hc_(attn|ffn)_(fn|base|scale)")
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_EXPERT_STACK = re.compile(r"ffn\.experts\.(w1|w2|w3)")
+_EXPERT_STACK = re.compile(r"ffn\.experts\.(w1|w2|w3)(?:\.weight)?")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _HC_HEAD = re.compile(r"hc_head_(fn|base|scale)")
@@ -79,7 +82,13 @@ def block_path(rest: str) -> tuple[str, tuple[int, ...]]:
 def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]] | None:
     """`(pytree path, leading index)` of a canonical name in a model with this plan: the tensor
     fills `leaf[index]` of the leaf whose `jax.tree_util.keystr` is `path`. `None` when the name
-    cannot belong to such a model (e.g. a layer beyond the plan)."""
+    cannot belong to such a model (e.g. a layer beyond the plan). A quantisation scale
+    (`X.scale` of weight `X.weight`, or of an expert stack `X`) goes to its weight's `.scale`;
+    `assign` sends a weight to `.values` where the model holds it quantised."""
+    if name.endswith(".scale"):
+        base = name[: -len(".scale")]
+        owner = canonical_to_path(base + ".weight", plan) or canonical_to_path(base, plan)
+        return None if owner is None else (owner[0] + ".scale", owner[1])
     if name in _GLOBAL:
         return "." + name, ()
     if m := _HC_HEAD.fullmatch(name):
@@ -110,7 +119,18 @@ def _block_rest(path: str) -> str:
 
 def canonical_pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
     """`(canonical name, array)` for every weight of `model`, one per layer (layer stacks are
-    split; routed experts stay stacked per layer)."""
+    split; routed experts stay stacked per layer). A quantised weight gives its values under
+    the weight's name and its scales as `X.scale`, as the release names them."""
+    for name, leaf in _pieces(model):
+        if name.endswith(".values"):  # an expert stack's too: `X.weight` beside `X.scale`
+            name = name[: -len(".values")]
+            name = name if name.endswith(".weight") else name + ".weight"
+        elif name.endswith(".weight.scale"):
+            name = name[: -len(".weight.scale")] + ".scale"
+        yield name, leaf
+
+
+def _pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
     plan = model.plan
     for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
         key = jax.tree_util.keystr(path)
@@ -171,6 +191,8 @@ def assign(
     problems: list[str] = []
     for name, shape, is_int in pieces:
         target = canonical_to_path(name, skeleton.plan)
+        if target is not None and target[0] + ".values" in number:  # held quantised
+            target = (target[0] + ".values", target[1])
         if target is None or target[0] not in number:
             problems.append(f"unexpected tensor {name!r} {list(shape)}")
             continue
@@ -243,16 +265,40 @@ def _flat_names(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix[:-1], tree
 
 
-def write_metadata(path: pathlib.Path, config: Config, dtype: Any) -> None:
-    """`config.json` and `equinox_dsv4.json` of a saved model."""
+def write_metadata(
+    path: pathlib.Path, config: Config, dtype: Any, quantized: dict | None = None
+) -> None:
+    """`config.json` and `equinox_dsv4.json` of a saved model; `quantized` (for a model that
+    holds the release's quantised weights, see `quantized_meta`) says how to rebuild it."""
     (path / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     meta = {
         "format": FORMAT_VERSION,
         "dtype": jnp.dtype(dtype).name,
         "scan_layers": config.scan_layers,
         "scan_min_repeats": config.scan_min_repeats,
+        "quantized": quantized,
     }
     (path / "equinox_dsv4.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def quantized_meta(model: Any) -> dict | None:
+    """How `model` holds the release's quantised weights (FP8 block, scale dtype), for
+    `write_metadata`; `None` when it holds none."""
+    leaves = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    held = [x for x in leaves if isinstance(x, QuantizedWeight)]
+    if not held:
+        return None
+    fp8 = [x.block for x in held if x.fmt == FP8] or [model.config.fp8_block_size or (128, 128)]
+    return {"fp8_block": list(fp8[0]), "scale_dtype": jnp.dtype(held[0].scale.dtype).name}
+
+
+def skeleton_of(config: Config, dtype: Any, quantized: dict | None = None) -> DeepseekV4:
+    """The abstract model of `config` in `dtype`, quantised as `quantized` says."""
+    skeleton = eqx.filter_eval_shape(DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    if quantized is None:
+        return skeleton
+    block = tuple(quantized["fp8_block"])
+    return abstract_quantized(skeleton, block, jnp.dtype(quantized["scale_dtype"]))
 
 
 class PieceWriter:
@@ -313,7 +359,7 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
     try:
         tmp.mkdir(parents=True)
         dtype = model.embed.weight.dtype
-        write_metadata(tmp, model.config, dtype)
+        write_metadata(tmp, model.config, dtype, quantized_meta(model))
         writer = PieceWriter(tmp)
         for name, array in canonical_pieces(model):
             writer.add(name, np.asarray(array))
@@ -324,8 +370,8 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
         raise
 
 
-def read_config(path: str | os.PathLike) -> tuple[Config, Any]:
-    """The config and parameter dtype of a saved model."""
+def read_config(path: str | os.PathLike) -> tuple[Config, Any, dict | None]:
+    """The config, parameter dtype and quantisation (see `quantized_meta`) of a saved model."""
     path = pathlib.Path(path)
     if not (path / "equinox_dsv4.json").is_file() or not (path / "weights/manifest.json").is_file():
         raise FileNotFoundError(
@@ -340,7 +386,7 @@ def read_config(path: str | os.PathLike) -> tuple[Config, Any]:
         scan_layers=meta["scan_layers"],
         scan_min_repeats=meta["scan_min_repeats"],
     )
-    return config, jnp.dtype(meta["dtype"])
+    return config, jnp.dtype(meta["dtype"]), meta.get("quantized")
 
 
 def load(
@@ -365,10 +411,10 @@ def load(
     """
     from orbax.checkpoint.experimental import v1 as ocp
 
-    config, dtype = read_config(path)
+    config, dtype, quantized = read_config(path)
     weights = pathlib.Path(path).absolute() / "weights"  # orbax refuses relative paths
     manifest = json.loads((weights / "manifest.json").read_text())["pieces"]
-    skeleton = eqx.filter_eval_shape(DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    skeleton = skeleton_of(config, dtype, quantized)
     slots = assign(
         skeleton,
         (

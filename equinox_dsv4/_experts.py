@@ -10,6 +10,7 @@ device computes its own experts' share (`expert_parallel`).
 
 import functools
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,6 +25,7 @@ from ._forms import zeros_after
 from ._layers import init_normal, linear, wider_dtype
 from ._parallel import batch_axes, mesh_axis
 from ._policy import Policy, resolve
+from ._quant import QuantizedWeight, dense, whole_blocks
 
 
 # Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
@@ -46,9 +48,9 @@ class Experts(eqx.Module):
     """The routed experts, stacked: `w1`, `w3` `[experts, inter, d_model]`, `w2`
     `[experts, d_model, inter]`. Expert `e` maps `x` to `w2[e] (swiglu(w1[e] x, w3[e] x))`."""
 
-    w1: Float[Array, "experts inter d_model"]
-    w2: Float[Array, "experts d_model inter"]
-    w3: Float[Array, "experts inter d_model"]
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight
     limit: float = eqx.field(static=True)
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
@@ -90,9 +92,9 @@ def dispatch(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"],
-    w2: Float[Array, "experts d_model inter"],
-    w3: Float[Array, "experts inter d_model"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
     limit: float,
     gather: bool = False,
     *,
@@ -182,13 +184,13 @@ def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
     return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
 
 
-def _varying_like(init: Array, *operands: Array) -> Array:
+def _varying_like(init: Array, *operands: Any) -> Array:
     # Under shard_map a loop's carry must vary over the same mesh axes as what the body adds to
     # it; a fresh zeros array varies over none.
     def varying(a):
         return jax.typeof(a).manual_axis_type.varying
 
-    axes = frozenset().union(*(varying(a) for a in operands)) - varying(init)
+    axes = frozenset().union(*(varying(a) for a in jax.tree.leaves(operands))) - varying(init)
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
@@ -240,9 +242,9 @@ def _over_experts(body, carry, stacks, chosen, xs, policy):
 def expert_mlps(
     xs: Float[Array, "rows d_model"],
     ws: Float[Array, " rows"],
-    w1: Float[Array, "experts inter d_model"],
-    w2: Float[Array, "experts d_model inter"],
-    w3: Float[Array, "experts inter d_model"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
     first: Int[Array, " experts"],
     count: Int[Array, " experts"],
     limit: float,
@@ -268,7 +270,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, polic
     c = wider_dtype(xs, w1)
 
     def expert(out, w, args):
-        w1e, w2e, w3e = (a.astype(c) for a in w)
+        w1e, w2e, w3e = (dense(a, c) for a in w)
         start, n = args
 
         def rows(out, offset, size):
@@ -293,7 +295,7 @@ def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
         return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
 
     def expert(carry, w, args):
-        w1e, w2e, w3e = (a.astype(c) for a in w)
+        w1e, w2e, w3e = (dense(a, c) for a in w)
         start, n = args
 
         def rows(carry, offset, size):
@@ -314,7 +316,12 @@ def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
 
         zeros = [_varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
         dxs, dws, d1, d2, d3 = _over_rows(start, n, block, tail, (*carry, *zeros), rows)
-        return (dxs, dws), (d1.astype(w1.dtype), d2.astype(w2.dtype), d3.astype(w3.dtype))
+        # A quantised weight is frozen (see `trainable`): no cotangent.
+        grads = (d1, d2, d3)
+        return (dxs, dws), tuple(
+            None if isinstance(w, QuantizedWeight) else g.astype(w.dtype)
+            for g, w in zip(grads, (w1, w2, w3), strict=True)
+        )
 
     init = (
         _varying_like(zeros_after(xs.shape, xs.dtype, dys), dys, w1),
@@ -344,17 +351,25 @@ def expert_parallel(
     over `tensor` when it divides them; the partial outputs are summed over both axes. This is
     the official inference code's expert parallelism, as a `shard_map`."""
     mesh = jax.sharding.get_abstract_mesh()
-    inter, dim = experts.w1.shape[1:]
-    tensor = "tensor" if mesh_axis("tensor") > 1 and inter % mesh_axis("tensor") == 0 else None
+    w1, w2 = experts.w1, experts.w2
+    # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it).
+    tensor_ok = whole_blocks(w1, -2, mesh_axis("tensor")) and whole_blocks(
+        w2, -1, mesh_axis("tensor")
+    )
+    tensor = "tensor" if mesh_axis("tensor") > 1 and tensor_ok else None
     # The weights enter in their stored layout (`d_model` split over fsdp, see ShardingRules)
     # and are gathered here, one layer at a time: a layout change demanded at the boundary
     # would be applied to a scanned stack's whole weight, before the loop.
-    fsdp = "fsdp" if mesh_axis("fsdp") > 1 and dim % mesh_axis("fsdp") == 0 else None
+    fsdp_ok = whole_blocks(w1, -1, mesh_axis("fsdp")) and whole_blocks(w2, -2, mesh_axis("fsdp"))
+    fsdp = "fsdp" if mesh_axis("fsdp") > 1 and fsdp_ok else None
     tokens = batch_axes(x.shape[0])
     reduce = ("expert",) + ((tensor,) if tensor else ())
 
     def gather(w, axis):
-        return jax.lax.all_gather(w, fsdp, axis=axis, tiled=True) if fsdp else w
+        # A quantised weight's values and scales are gathered alike (same rank, same axes).
+        if not fsdp:
+            return w
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, fsdp, axis=axis, tiled=True), w)
 
     def local(x, indices, weights, w1, w2, w3):
         w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)

@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._forms import linear_widened, set_rows_by_updates, zeros_after
 from ._parallel import batch_axes
 from ._policy import Policy, resolve
+from ._quant import QuantizedWeight
 
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
@@ -146,22 +147,26 @@ def einsum_f32(spec: str, a: Array, b: Array, *, policy: Policy | None = None) -
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
-def wider_dtype(a: Array, b: Array) -> jnp.dtype:
+def wider_dtype(a: Array | QuantizedWeight, b: Array | QuantizedWeight) -> jnp.dtype:
     """The wider of two operands' dtypes, where mixed operands (bf16 activations against
-    float32 weights, or the reverse) meet: strict dtype promotion has no bf16/f32 lattice."""
+    float32 weights, or the reverse) meet: strict dtype promotion has no bf16/f32 lattice. A
+    `QuantizedWeight` counts as the dtype it dequantises to."""
     return max(a.dtype, b.dtype, key=lambda t: t.itemsize)
 
 
 def linear(
     x: Float[Array, "*batch in"],
-    weight: Float[Array, "out in"],
+    weight: Float[Array, "out in"] | QuantizedWeight,
     *,
     dtype: DTypeLike | None = None,
     policy: Policy | None = None,
 ) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype).
     Where `policy` widens the operands, the product takes `linear_widened`'s form.
-    `policy=None`: the policy of the target platform."""
+    `policy=None`: the policy of the target platform. A `QuantizedWeight` is dequantised
+    here, for this product only."""
+    if isinstance(weight, QuantizedWeight):
+        weight = weight.dequantize()
     if x.dtype != weight.dtype:
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
@@ -172,9 +177,10 @@ def linear(
 
 
 class Linear(eqx.Module):
-    """`y = x @ weight.T` without bias; `weight` is stored `(out, in)` as in the checkpoints."""
+    """`y = x @ weight.T` without bias; `weight` is stored `(out, in)` as in the checkpoints,
+    dense or as the release's block-quantised `QuantizedWeight`."""
 
-    weight: Float[Array, "out in"]
+    weight: Float[Array, "out in"] | QuantizedWeight
     axes: tuple[str | None, str | None] = eqx.field(static=True)
 
     def __init__(

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ._cache import KVCache
 from ._model import DeepseekV4, LayerStack
 from ._parallel import batch_axes
+from ._quant import QuantizedWeight
 
 
 # logical axis -> mesh axis (or None). The mesh axes are conventionally "data", "fsdp",
@@ -62,15 +63,22 @@ class ShardingRules:
         return self.of({**dict(self.rules), **changes})
 
     def spec(
-        self, axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
+        self,
+        axes: tuple[str | None, ...],
+        shape: tuple[int, ...],
+        mesh: Mesh,
+        blocks: tuple[int, ...] | None = None,
     ) -> PartitionSpec:
-        """The `PartitionSpec` of an array with these logical axes and shape on `mesh`."""
+        """The `PartitionSpec` of an array with these logical axes and shape on `mesh`. With
+        `blocks` (a quantised weight's block size per dim), a dim is split only into whole
+        blocks: a split that would cut a block replicates that dim instead."""
         table = dict(self.rules)
+        blocks = (1,) * len(shape) if blocks is None else blocks
         entries: list[str | None] = []
-        for name, size in zip(axes, shape, strict=True):
+        for name, size, block in zip(axes, shape, blocks, strict=True):
             mesh_axis = table.get(name) if name is not None else None
             if mesh_axis is not None and (
-                mesh_axis not in mesh.shape or size % mesh.shape[mesh_axis]
+                mesh_axis not in mesh.shape or size % (mesh.shape[mesh_axis] * block)
             ):
                 mesh_axis = None
             entries.append(mesh_axis)
@@ -144,6 +152,9 @@ def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
                 child = f"{path}.{field.name}"
                 if eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
                     out[child] = lead + tuple(node.param_axes(field.name))
+                elif isinstance(value, QuantizedWeight):  # scales go with their weight
+                    axes = lead + tuple(node.param_axes(field.name))
+                    out[child + ".values"] = out[child + ".scale"] = axes
                 elif value is not None:
                     visit(value, child, lead)
 
@@ -159,9 +170,17 @@ def partition_specs(
     axes = logical_axes(model)
 
     def spec(path, leaf):
-        return rules.spec(axes[jax.tree_util.keystr(path)], leaf.shape, mesh)
+        key = jax.tree_util.keystr(path)
+        if not isinstance(leaf, QuantizedWeight):
+            return rules.spec(axes[key], leaf.shape, mesh)
+        # Values and scales split alike, into whole blocks, so each device dequantises its own.
+        blocks = (1,) * (leaf.ndim - 2) + leaf.block
+        one = rules.spec(axes[key + ".values"], leaf.shape, mesh, blocks)
+        return jax.tree.map(lambda _: one, leaf)
 
-    return jax.tree_util.tree_map_with_path(spec, model)
+    return jax.tree_util.tree_map_with_path(
+        spec, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
 
 
 def named_shardings(

@@ -33,6 +33,7 @@ from ._model import DeepseekV4, Stats
 from ._moe import RouterStats
 from ._parallel import committed
 from ._policy import Policy, resolve
+from ._quant import QuantizedWeight
 
 
 class Batch(eqx.Module):
@@ -75,14 +76,23 @@ class TrainState(eqx.Module):
 
 def trainable(model: DeepseekV4) -> PyTree[bool]:
     """The filter of the leaves the optimizer trains: every floating-point array except the
-    routers' selection biases."""
+    routers' selection biases and the release's quantised weights (`QuantizedWeight` values
+    and scales stay frozen: a model loaded with `quantized=True` fine-tunes its dense
+    leaves)."""
 
     def keep(path, leaf):
-        return eqx.is_inexact_array(leaf) and not jax.tree_util.keystr(path).endswith(
-            ".ffn.gate.bias"
-        )
+        key = jax.tree_util.keystr(path)
+        frozen = key.endswith(".ffn.gate.bias") or isinstance(leaf, QuantizedWeight)
+        return eqx.is_inexact_array(leaf) and not frozen
 
-    return jax.tree_util.tree_map_with_path(keep, model)
+    def visit(path, leaf):
+        if isinstance(leaf, QuantizedWeight):
+            return jax.tree.map(lambda _: False, leaf)
+        return keep(path, leaf)
+
+    return jax.tree_util.tree_map_with_path(
+        visit, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
 
 
 def cross_entropy(

@@ -47,22 +47,22 @@ def write_sharded(out: pathlib.Path, tensors: dict[str, np.ndarray], shards: int
     )
 
 
-def quantize_fp8(w: np.ndarray):
+def quantize_fp8(w: np.ndarray, block: int = 128):
     rows, cols = w.shape
-    sr, sc = -(-rows // 128), -(-cols // 128)
+    sr, sc = -(-rows // block), -(-cols // block)
     exponent = np.zeros((sr, sc))
     for i in range(sr):
         for j in range(sc):
-            amax = np.abs(w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]).max()
+            amax = np.abs(w[i * block : (i + 1) * block, j * block : (j + 1) * block]).max()
             exponent[i, j] = np.ceil(np.log2(max(amax, 1e-30) / 448.0))
-    full = np.repeat(np.repeat(exponent, 128, 0), 128, 1)[:rows, :cols]
+    full = np.repeat(np.repeat(exponent, block, 0), block, 1)[:rows, :cols]
     q = (w / np.exp2(full)).astype(ml_dtypes.float8_e4m3fn)
     return q, np.exp2(exponent).astype(ml_dtypes.float8_e8m0fnu)
 
 
-def dequantize_fp8(q, scale):
+def dequantize_fp8(q, scale, block: int = 128):
     rows, cols = q.shape
-    s = np.repeat(np.repeat(scale.astype(np.float64), 128, 0), 128, 1)[:rows, :cols]
+    s = np.repeat(np.repeat(scale.astype(np.float64), block, 0), block, 1)[:rows, :cols]
     return (q.astype(np.float64) * s).astype(np.float32)
 
 
@@ -91,7 +91,7 @@ def dequantize_fp4(packed, scale):
     return (out * s).astype(np.float32)
 
 
-def official_config(config: ed.Config) -> dict:
+def official_config(config: ed.Config, fp8_block: int = 128) -> dict:
     """The config in the release's own flavour (as in deepseek-ai/DeepSeek-V4-Flash)."""
     ratio = {ed.SLIDING: 0, ed.CSA: 4, ed.HCA: config.compress_rate_hca}
     hf = config.to_hf()
@@ -120,7 +120,7 @@ def official_config(config: ed.Config) -> dict:
             "fmt": "e4m3",
             "quant_method": "fp8",
             "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
+            "weight_block_size": [fp8_block, fp8_block],
         },
         expert_dtype="fp4",
     )
@@ -137,11 +137,17 @@ def official_config(config: ed.Config) -> dict:
 
 
 def write_release_checkpoint(
-    out: pathlib.Path, config: ed.Config, reference, *, shards: int = 3, seed: int = 0
+    out: pathlib.Path,
+    config: ed.Config,
+    reference,
+    *,
+    shards: int = 3,
+    seed: int = 0,
+    fp8_block: int = 128,
 ) -> dict[str, np.ndarray]:
     """Write `reference`'s weights (a transformers model of `config`) plus a random MTP block in
-    the release layout. Returns the canonical float32 values a loader must reproduce (after
-    quantisation / rounding), keyed by official name."""
+    the release layout, FP8 in `fp8_block` x `fp8_block` blocks. Returns the canonical float32
+    values a loader must reproduce (after quantisation / rounding), keyed by official name."""
     rng = np.random.default_rng(seed)
     values: dict[str, np.ndarray] = {}
     for key, tensor in reference.state_dict().items():
@@ -177,16 +183,16 @@ def write_release_checkpoint(
             tensors[name], tensors[name[: -len(".weight")] + ".scale"] = q, s
             expected[name] = dequantize_fp4(q, s)
         elif FP8_NAMES.fullmatch(name):
-            q, s = quantize_fp8(v)
+            q, s = quantize_fp8(v, fp8_block)
             tensors[name], tensors[name[: -len(".weight")] + ".scale"] = q, s
-            expected[name] = dequantize_fp8(q, s)
+            expected[name] = dequantize_fp8(q, s, fp8_block)
         elif F32_NAMES.fullmatch(name):
             tensors[name] = expected[name] = v.astype(np.float32)
         else:
             tensors[name] = v.astype(ml_dtypes.bfloat16)
             expected[name] = tensors[name].astype(np.float32)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(official_config(config), indent=2))
+    (out / "config.json").write_text(json.dumps(official_config(config, fp8_block), indent=2))
     write_sharded(out, tensors, shards)
     return expected
 
