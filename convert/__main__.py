@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the release's FP8/FP4 weights as stored (values and ue8m0 scales; each "
         "matmul dequantises its own weight): about a third of the bfloat16 size",
     )
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "release"),
+        help="'release': the FP8/FP4 round trips of the official inference code; 'exact': none "
+        "(as transformers). Default: 'release' for a release checkpoint (its config.json has a "
+        "quantization_config), else 'exact'. The saved model keeps the choice",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     with warnings.catch_warnings():  # restores the default display afterwards
@@ -59,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 layers=args.layers,
                 progress=not args.quiet,
                 quantized=args.quantized,
+                numerics=args.numerics,
             )
         except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)

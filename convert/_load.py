@@ -138,14 +138,20 @@ def plan(
     load_mtp: bool | None = None,
     layers: int | None = None,
     quantized: bool = False,
+    numerics: str | None = None,
 ) -> Plan:
     """Read config and headers of `hf_dir`, map every tensor and check it against the model:
     names, shapes, dtypes, scales, the index and the files. Raises `CheckpointError` listing
-    every problem; reads no tensor data. `load_mtp` and `quantized` as in `load_hf`."""
+    every problem; reads no tensor data. `load_mtp`, `quantized` and `numerics` as in
+    `load_hf`."""
     hf_dir = pathlib.Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     config = ed.Config.from_json(hf_dir / "config.json")
+    # A release checkpoint (config.json with `quantization_config`) runs the release's
+    # numerics unless told otherwise; transformers-layout checkpoints run exact ones.
+    default = "release" if config.fp8_block_size is not None else "exact"
+    config = dataclasses.replace(config, numerics=numerics or default)
     problems: list[str] = []
     tensors = list_tensors(hf_dir, problems)
     targets = {name: hf_to_canonical(name) or ((name, Transform()),) for name in tensors}
@@ -305,6 +311,7 @@ def load_hf(
     rules: ed.ShardingRules | None = None,
     cache_bytes: int = 2 << 30,
     quantized: bool = False,
+    numerics: str | None = None,
 ) -> ed.DeepseekV4:
     """Load a Hugging Face DeepSeek-V4 checkpoint (official release layout or transformers
     `save_pretrained` layout) into a model.
@@ -326,11 +333,14 @@ def load_hf(
       about 0.53 bytes per routed-expert parameter and 1 per FP8 one instead of 2 in bfloat16.
       `dtype` is then the dtype they dequantise to. The checkpoint must store those weights
       quantised (the release does).
+    - `numerics`: `"exact"` or `"release"` (`Config.numerics`: the FP8/FP4 round trips of the
+      official inference code). Default: `"release"` for a checkpoint whose config.json has a
+      `quantization_config` (the release's), else `"exact"`.
 
     **Returns:** the model. Raises `CheckpointError` (listing every problem) before reading any
     data if the checkpoint does not match its config.
     """
-    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, quantized=quantized)
+    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, quantized=quantized, numerics=numerics)
     block = p.config.fp8_block_size or (128, 128)
     cache = _PieceCache(lambda s: s.read(block), cache_bytes)
     leaves, treedef = jax.tree_util.tree_flatten(p.skeleton)
@@ -371,6 +381,7 @@ def convert(
     layers: int | None = None,
     progress: bool = False,
     quantized: bool = False,
+    numerics: str | None = None,
 ) -> dict[str, Any]:
     """Convert a Hugging Face checkpoint into a saved model at `out_dir` (read it with
     `equinox_dsv4.load`).
@@ -379,7 +390,7 @@ def convert(
     dequantised, cast and written as one canonical piece. The output is written to a temporary
     sibling directory and renamed when complete; on any failure nothing is left at `out_dir`.
     With `quantized`, the release's FP8/FP4 weights are written as stored (see `load_hf`) and
-    `equinox_dsv4.load` restores them so.
+    `equinox_dsv4.load` restores them so. `numerics` as in `load_hf`; the saved model keeps it.
 
     **Returns:** a summary: tensors and bytes read, seconds, peak RSS in bytes.
     """
@@ -387,7 +398,14 @@ def convert(
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another path")
-    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, layers=layers, quantized=quantized)
+    p = plan(
+        hf_dir,
+        dtype=dtype,
+        load_mtp=load_mtp,
+        layers=layers,
+        quantized=quantized,
+        numerics=numerics,
+    )
     block = p.config.fp8_block_size or (128, 128)
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
     bar = _progress(p.bytes_read, p.tensors_read) if progress else None

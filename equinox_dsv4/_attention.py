@@ -35,6 +35,7 @@ from ._layers import (
     rms_normalize,
     set_rows,
 )
+from ._numerics import act_quant, kv_round_trip
 from ._parallel import mesh_axis
 from ._policy import Policy, resolve
 from ._quant import dense
@@ -181,6 +182,8 @@ class Attention(eqx.Module):
     o_groups: int = eqx.field(static=True)
     eps: float = eqx.field(static=True)
     rope: RoPE = eqx.field(static=True)
+    rope_dim: int = eqx.field(static=True)
+    numerics: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -231,6 +234,8 @@ class Attention(eqx.Module):
         self.o_groups = g
         self.eps = config.rms_norm_eps
         self.rope = RoPE.for_layer(config, compressed=layer_type != SLIDING)
+        self.rope_dim = config.qk_rope_head_dim
+        self.numerics = config.numerics
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         assert name == "attn_sink"
@@ -288,10 +293,13 @@ class Attention(eqx.Module):
         b, t, _ = x.shape
         w = self.window
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        qr = self.q_norm(self.wq_a(x, policy=policy))
-        q = self.wq_b(qr, policy=policy).reshape(b, t, self.n_heads, self.head_dim)
+        n = self.numerics
+        xq = act_quant(x, n)  # the input of the FP8 projections wq_a and wkv
+        qr = self.q_norm(self.wq_a(xq, policy=policy))
+        q = self.wq_b(act_quant(qr, n), policy=policy).reshape(b, t, self.n_heads, self.head_dim)
         q = self.rope(rms_normalize(q, self.eps), positions)
-        kv = self.rope(self.kv_norm(self.wkv(x, policy=policy)), positions)
+        kv = self.rope(self.kv_norm(self.wkv(xq, policy=policy)), positions)
+        kv = kv_round_trip(kv, self.rope_dim, n)
 
         # The ring holds position p in slot p % w: the window before the chunk, oldest first.
         before = start[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
@@ -344,7 +352,7 @@ class Attention(eqx.Module):
             z = jnp.stack(
                 [linear(grouped[:, :, i], wo_a[i], policy=policy) for i in range(g)], axis=2
             )
-        return self.wo_b(z.reshape(b, s, -1), policy=policy)
+        return self.wo_b(act_quant(z.reshape(b, s, -1), self.numerics), policy=policy)
 
 
 def selection_mask(

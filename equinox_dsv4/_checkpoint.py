@@ -276,6 +276,7 @@ def write_metadata(
         "dtype": jnp.dtype(dtype).name,
         "scan_layers": config.scan_layers,
         "scan_min_repeats": config.scan_min_repeats,
+        "numerics": config.numerics,
         "quantized": quantized,
     }
     (path / "equinox_dsv4.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -385,6 +386,7 @@ def read_config(path: str | os.PathLike) -> tuple[Config, Any, dict | None]:
         path / "config.json",
         scan_layers=meta["scan_layers"],
         scan_min_repeats=meta["scan_min_repeats"],
+        numerics=meta.get("numerics", "exact"),
     )
     return config, jnp.dtype(meta["dtype"]), meta.get("quantized")
 

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._cache import CompressorState
 from ._config import Config
 from ._layers import Linear, RMSNorm
+from ._numerics import index_round_trip, kv_round_trip
 from ._policy import Policy, resolve
 from ._rope import RoPE
 
@@ -52,6 +53,9 @@ class AbstractCompressor(eqx.Module):
     ratio: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     rope: RoPE = eqx.field(static=True)
+    rope_dim: int = eqx.field(static=True)
+    numerics: str = eqx.field(static=True)
+    index_keys: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -60,14 +64,17 @@ class AbstractCompressor(eqx.Module):
         *,
         key: PRNGKeyArray,
         dtype: DTypeLike = jnp.float32,
+        index_keys: bool = False,
     ):
         """**Arguments:**
 
-        - `config`: the model config (hidden size, ratios, RoPE, norm eps).
+        - `config`: the model config (hidden size, ratios, RoPE, norm eps, numerics).
         - `head_dim`: width of an entry (`config.head_dim` for attention, `config.index_head_dim`
           for the Lightning Indexer).
         - `key`: PRNG key.
         - `dtype`: dtype of the projection weights (`ape` and the norm weight stay float32).
+        - `index_keys`: the Lightning Indexer's compressor (under `"release"` numerics its
+          entries get the indexer's Hadamard + FP4 round trip, not the KV's FP8 one).
         """
         ratio, series = self.layout(config)
         kv_key, gate_key = jr.split(key)
@@ -79,6 +86,9 @@ class AbstractCompressor(eqx.Module):
         self.ratio = ratio
         self.head_dim = head_dim
         self.rope = RoPE.for_layer(config, compressed=True)
+        self.rope_dim = config.qk_rope_head_dim
+        self.numerics = config.numerics
+        self.index_keys = index_keys
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         assert name == "ape"
@@ -192,8 +202,12 @@ class AbstractCompressor(eqx.Module):
         positions: Int[Array, "batch n"],
         dtype: DTypeLike,
     ) -> Float[Array, "batch n head_dim"]:
-        """Norm, then RoPE at each block's first position, in the activation dtype."""
-        return self.rope(self.norm(pooled.astype(dtype)), positions)
+        """Norm, then RoPE at each block's first position, in the activation dtype; then the
+        numerics' round trip of a KV entry or an index key."""
+        entries = self.rope(self.norm(pooled.astype(dtype)), positions)
+        if self.index_keys:
+            return index_round_trip(entries, self.numerics)
+        return kv_round_trip(entries, self.rope_dim, self.numerics)
 
 
 class HCACompressor(AbstractCompressor):

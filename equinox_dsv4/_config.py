@@ -17,6 +17,7 @@ HASH_MOE = "hash_moe"
 MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+NUMERICS = ("exact", "release")
 
 
 def _field(default: Any = dataclasses.MISSING, *, hf: str | None = "plain", least: int = 1) -> Any:
@@ -107,6 +108,9 @@ class Config:
     # --- checkpoint format (read by the converter; no effect on the computation)
     fp8_block_size: tuple[int, int] | None = _field(None, hf="custom")
     expert_dtype: str | None = _field(None, hf="custom")
+    # --- numerics: "exact" (no quantisation round trips, as transformers computes) or
+    # "release" (the FP8/FP4 round trips the release was trained with, see `_numerics`)
+    numerics: str = _field("exact", hf=None)
     # --- execution
     scan_layers: bool = _field(True, hf=None)
     scan_min_repeats: int = _field(3, hf=None, least=2)
@@ -163,6 +167,14 @@ class Config:
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(
                 f"scoring_func must be one of {list(SCORING_FUNCS)}, got {self.scoring_func!r}"
+            )
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {list(NUMERICS)}, got {self.numerics!r}")
+        index_dim = self.index_head_dim
+        if self.numerics == "release" and CSA in self.layer_types and index_dim & (index_dim - 1):
+            raise ValueError(
+                f"numerics='release' rotates the indexer's {index_dim}-wide queries and keys "
+                "by a Hadamard transform: index_head_dim must be a power of two"
             )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             raise ValueError(f"rope_scaling must be a YarnScaling, got {self.rope_scaling!r}")

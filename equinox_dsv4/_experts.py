@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import Config
 from ._forms import zeros_after
 from ._layers import init_normal, linear, wider_dtype
+from ._numerics import act_quant
 from ._parallel import batch_axes, mesh_axis
 from ._policy import Policy, resolve
 from ._quant import QuantizedWeight, dense, whole_blocks
@@ -52,6 +53,7 @@ class Experts(eqx.Module):
     w2: Float[Array, "experts d_model inter"] | QuantizedWeight
     w3: Float[Array, "experts inter d_model"] | QuantizedWeight
     limit: float = eqx.field(static=True)
+    numerics: str = eqx.field(static=True)
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jr.split(key, 3)
@@ -60,6 +62,7 @@ class Experts(eqx.Module):
         self.w2 = init_normal(k2, (e, d, i), dtype)
         self.w3 = init_normal(k3, (e, i, d), dtype)
         self.limit = config.swiglu_limit
+        self.numerics = config.numerics
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         if name == "w2":
@@ -82,10 +85,20 @@ class Experts(eqx.Module):
         own experts' share (see `expert_parallel`).
         """
         policy = resolve(policy, x)
+        x = act_quant(x, self.numerics)  # once per token, for all of its experts
         if mesh_axis("expert") > 1:
             return expert_parallel(self, x, indices, weights, policy=policy)
         w = (self.w1, self.w2, self.w3)
-        return dispatch(x, indices, weights, *w, self.limit, policy.gather_experts, policy=policy)
+        return dispatch(
+            x,
+            indices,
+            weights,
+            *w,
+            self.limit,
+            policy.gather_experts,
+            policy=policy,
+            numerics=self.numerics,
+        )
 
 
 def dispatch(
@@ -99,6 +112,7 @@ def dispatch(
     gather: bool = False,
     *,
     policy: Policy | None = None,
+    numerics: str = "exact",
 ) -> Float[Array, "tokens d_model"]:
     """Routed experts for the (token, expert) assignments, computed only where assigned. An
     assignment to expert `len(w1)` (out of range) is dropped.
@@ -112,8 +126,11 @@ def dispatch(
     batched. Use `gather` where the weights are not a parameter but a value (a slice of a
     scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
     operand, and XLA copies such a value whole to pass it in. `policy` lays out the products
-    (`None`: the target platform's).
+    (`None`: the target platform's). `numerics`: under `"release"`, each expert's hidden
+    activation makes the FP8 round trip before `w2` (`_numerics.act_quant`); `x` is the
+    caller's to quantise.
     """
+    act = (limit, numerics)
     tokens, top_k = indices.shape
     n_experts = w1.shape[0]
     rows = tokens * top_k
@@ -122,7 +139,7 @@ def dispatch(
         run = _gathered if gather else _one_by_one
         x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
         chosen = jnp.minimum(expert, n_experts - 1)
-        ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, limit, policy)
+        ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
         ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
     # Block size: about one block per expert at this load, a power of two in [1, 128].
@@ -145,7 +162,7 @@ def dispatch(
     xs = x[assignment // top_k]  # rows holding none: any token, with weight 0
     ws = jnp.where(held, weights.reshape(rows)[assignment], 0.0)
 
-    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, limit, block, pad, policy)
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, act, block, pad, policy)
     # Each assignment's padded row, read back per token: a gather, no scatter.
     position = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
     safe = jnp.minimum(expert, n_experts - 1)
@@ -154,28 +171,28 @@ def dispatch(
     return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
 
 
-def _one_by_one(xs, ws, chosen, w1, w2, w3, limit, policy):
+def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):
     # A loop over assignments, each copying its expert's weights out of the stack; the copies
     # share one buffer. Unrolled, every copy got its own, temporaries that malloc mapped
     # fresh, page faults included, on every token.
     def one(_, w, a):
         x, wt = a
-        return None, _expert_row(x, wt, *w, limit, policy)
+        return None, _expert_row(x, wt, *w, act, policy)
 
     return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws), policy)[1]
 
 
-def _gathered(xs, ws, chosen, w1, w2, w3, limit, policy):
+def _gathered(xs, ws, chosen, w1, w2, w3, act, policy):
     # The chosen experts' weights in one gather, the products batched over assignments. In a
     # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
     # chosen experts; a loop would get the layer's slice of every expert copied in.
-    one = functools.partial(_expert_row, limit=limit, policy=policy)
+    one = functools.partial(_expert_row, act=act, policy=policy)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 
 
-def _expert_row(x, w, w1e, w2e, w3e, limit, policy):
+def _expert_row(x, w, w1e, w2e, w3e, act, policy):
     # One assignment (a row `x` with routing weight `w`) through one expert, float32.
-    return _expert_block(x[None], w[None], w1e, w2e, w3e, limit, x.dtype, policy)[0]
+    return _expert_block(x[None], w[None], w1e, w2e, w3e, act, x.dtype, policy)[0]
 
 
 def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
@@ -194,18 +211,20 @@ def _varying_like(init: Array, *operands: Any) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
-def _hidden(xb, wb, w1e, w3e, limit, dtype, policy):
-    # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype).
+def _hidden(xb, wb, w1e, w3e, act, dtype, policy):
+    # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype,
+    # as w2 takes it). `act`: (swiglu limit, numerics).
+    limit, numerics = act
     g = linear(xb, w1e, dtype=jnp.float32, policy=policy)
     u = linear(xb, w3e, dtype=jnp.float32, policy=policy)
     a = swiglu(g, u, limit)
     # The routing weight is applied before w2, in float32, as in the official code.
-    return g, u, a, (a * wb[:, None]).astype(dtype)
+    return g, u, a, act_quant((a * wb[:, None]).astype(dtype), numerics)
 
 
-def _expert_block(xb, wb, w1e, w2e, w3e, limit, dtype, policy):
+def _expert_block(xb, wb, w1e, w2e, w3e, act, dtype, policy):
     # One block of one expert's rows through that expert, float32.
-    h = _hidden(xb, wb, w1e, w3e, limit, dtype, policy)[3]
+    h = _hidden(xb, wb, w1e, w3e, act, dtype, policy)[3]
     return linear(h, w2e, dtype=jnp.float32, policy=policy)
 
 
@@ -247,14 +266,14 @@ def expert_mlps(
     w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
     first: Int[Array, " experts"],
     count: Int[Array, " experts"],
-    limit: float,
+    act: tuple[float, str],
     block: int,
     tail: int,
     policy: Policy | None = None,
 ) -> Float[Array, "rows d_model"]:
     """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
     (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`, float32;
-    rows of no expert are zero.
+    rows of no expert are zero. `act`: the SwiGLU limit and the numerics (see `dispatch`).
 
     A loop over experts, each running its rows in an inner loop of `block`-row matmuls (then
     `tail`-row ones for the rest), so each expert's weights are read once per call, little is
@@ -263,10 +282,10 @@ def expert_mlps(
     the gradient is written out: the backward pass recomputes each block's hidden values and
     sums each expert's weight gradients over its blocks. `policy` lays out the products.
     """
-    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, policy)[0]
+    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)[0]
 
 
-def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, policy):
+def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
     c = wider_dtype(xs, w1)
 
     def expert(out, w, args):
@@ -276,7 +295,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, polic
         def rows(out, offset, size):
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
-            y = _expert_block(xb, wb, w1e, w2e, w3e, limit, xs.dtype, policy)
+            y = _expert_block(xb, wb, w1e, w2e, w3e, act, xs.dtype, policy)
             return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
 
         return _over_rows(start, n, block, tail, out, rows), None
@@ -287,7 +306,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, limit, block, tail, polic
     return out, (xs, ws, w1, w2, w3, first, count)
 
 
-def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
+def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
     xs, ws, w1, w2, w3, first, count = residuals
     c = wider_dtype(xs, w1)
 
@@ -303,11 +322,11 @@ def _expert_mlps_bwd(limit, block, tail, policy, residuals, dys):
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
             dy = jax.lax.dynamic_slice_in_dim(dys, offset, size)
-            g, u, a, h = _hidden(xb, wb, w1e, w3e, limit, xs.dtype, policy)
+            g, u, a, h = _hidden(xb, wb, w1e, w3e, act, xs.dtype, policy)
             d2 = d2 + dot("bo,bi->oi", dy, h)
             dh = dot("bo,oi->bi", dy, w2e)
             dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.sum(dh * a, axis=-1), offset, 0)
-            dg, du = jax.vjp(lambda g, u: swiglu(g, u, limit), g, u)[1](dh * wb[:, None])
+            dg, du = jax.vjp(lambda g, u: swiglu(g, u, act[0]), g, u)[1](dh * wb[:, None])
             d1 = d1 + dot("bo,bi->oi", dg, xb)
             d3 = d3 + dot("bo,bi->oi", du, xb)
             dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
@@ -378,7 +397,18 @@ def expert_parallel(
         local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
         # The gathered weights are a value, not a parameter (see `dispatch`).
         mine_weights = jnp.where(mine, weights, 0.0)
-        y = dispatch(x, local_ids, mine_weights, w1, w2, w3, experts.limit, True, policy=policy)
+        y = dispatch(
+            x,
+            local_ids,
+            mine_weights,
+            w1,
+            w2,
+            w3,
+            experts.limit,
+            True,
+            policy=policy,
+            numerics=experts.numerics,
+        )
         return jax.lax.psum(y, reduce)
 
     row = P(tokens, None)

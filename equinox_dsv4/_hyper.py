@@ -15,6 +15,9 @@ from ._config import Config
 from ._layers import f32, init_normal, lead
 
 
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
 def _stream_mixes(
     x: Float[Array, "*batch streams d_model"], fn: Float[Array, "mix flat"], eps: float
 ) -> Float[Array, "*batch mix"]:
@@ -22,7 +25,9 @@ def _stream_mixes(
     # rmsnorm(x) @ fn.T == (x @ fn.T) * rsqrt(mean(x^2) + eps): scaling the few mixes instead
     # of the wide input saves writing and re-reading a normalised copy of all the streams.
     inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(flat), axis=-1, keepdims=True) + eps)
-    return jnp.einsum("...f,mf->...m", flat, f32(fn)) * inv_rms
+    # HIGHEST: these float32 contractions must stay float32 where a backend's default matmul
+    # precision is lower (TF32 on GPUs, bf16 passes on TPUs).
+    return jnp.einsum("...f,mf->...m", flat, f32(fn), precision=_HIGHEST) * inv_rms
 
 
 def sinkhorn(
@@ -97,7 +102,7 @@ class HyperConnection(eqx.Module):
         comb = sinkhorn(
             comb_logits.reshape(*mixes.shape[:-1], n, n), self.sinkhorn_iters, self.hc_eps
         )
-        u = jnp.einsum("...n,...nd->...d", pre, f32(x)).astype(x.dtype)
+        u = jnp.einsum("...n,...nd->...d", pre, f32(x), precision=_HIGHEST).astype(x.dtype)
         return u, post, comb
 
     def mix(
@@ -143,4 +148,4 @@ class HyperHead(eqx.Module):
         mixes = _stream_mixes(x, self.fn, self.norm_eps)
         pre = mixes * f32(self.scale)[0] + lead(f32(self.base), mixes.ndim)
         pre = jax.nn.sigmoid(pre) + self.hc_eps
-        return jnp.einsum("...n,...nd->...d", pre, f32(x)).astype(x.dtype)
+        return jnp.einsum("...n,...nd->...d", pre, f32(x), precision=_HIGHEST).astype(x.dtype)

@@ -19,6 +19,7 @@ from ._cache import CompressorState
 from ._compressor import CSACompressor
 from ._config import Config
 from ._layers import Linear, einsum_f32, map_chunks, wider_dtype
+from ._numerics import RELEASE, act_quant, bf16_round, index_round_trip
 from ._policy import Policy, resolve
 from ._rope import RoPE
 
@@ -46,6 +47,7 @@ class LightningIndexer(eqx.Module):
     topk: int = eqx.field(static=True)
     ratio: int = eqx.field(static=True)
     rope: RoPE = eqx.field(static=True)
+    numerics: str = eqx.field(static=True)
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         q_key, w_key, c_key = jr.split(key, 3)
@@ -63,8 +65,11 @@ class LightningIndexer(eqx.Module):
         self.weights_proj = Linear(
             config.hidden_size, self.n_heads, (None, "embed"), key=w_key, dtype=dtype
         )
-        self.compressor = CSACompressor(config, self.head_dim, key=c_key, dtype=dtype)
+        self.compressor = CSACompressor(
+            config, self.head_dim, key=c_key, dtype=dtype, index_keys=True
+        )
         self.rope = RoPE.for_layer(config, compressed=True)
+        self.numerics = config.numerics
 
     def scores(
         self,
@@ -77,9 +82,12 @@ class LightningIndexer(eqx.Module):
     ) -> Float[Array, "batch seq blocks"]:
         """Float32 index scores of every query against every compressed key."""
         b, s, _ = x.shape
-        q = self.wq_b(qr, policy=policy).reshape(b, s, self.n_heads, self.head_dim)
-        q = self.rope(q, positions)
+        q = self.wq_b(act_quant(qr, self.numerics), policy=policy)
+        q = self.rope(q.reshape(b, s, self.n_heads, self.head_dim), positions)
+        q = index_round_trip(q, self.numerics)
         scale = (self.head_dim * self.n_heads) ** -0.5
+        if self.numerics == RELEASE:
+            return self._release_scores(x, q, keys, scale, policy)
         w = self.weights_proj(x, dtype=jnp.float32, policy=policy) * scale
         if s <= _FEW_QUERIES:
             # The keys as the rows of the product, read as stored. As its columns (the form
@@ -94,6 +102,15 @@ class LightningIndexer(eqx.Module):
         # queries on.
         logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
+
+    def _release_scores(self, x, q, keys, scale, policy):
+        # As the official code computes them in bfloat16: each head's product, the head
+        # weights (`weights_proj` output, then scaled), each weighted term and the head sum
+        # rounded to bfloat16; every product and the sum accumulated in float32.
+        w = bf16_round(bf16_round(self.weights_proj(x, dtype=jnp.float32, policy=policy)) * scale)
+        logits = bf16_round(einsum_f32("bshk,bnk->bshn", q, keys, policy=policy))
+        terms = bf16_round(jax.nn.relu(logits) * w[..., None])
+        return bf16_round(jnp.sum(terms, axis=2))
 
     def select(
         self,

@@ -160,11 +160,13 @@ def linear(
     *,
     dtype: DTypeLike | None = None,
     policy: Policy | None = None,
+    precision: jax.lax.Precision | None = None,
 ) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype).
     Where `policy` widens the operands, the product takes `linear_widened`'s form.
     `policy=None`: the policy of the target platform. A `QuantizedWeight` is dequantised
-    here, for this product only."""
+    here, for this product only. `precision`: as `jnp.einsum`'s (`HIGHEST` for float32
+    products that must not run at a backend's lower default precision)."""
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize()
     if x.dtype != weight.dtype:
@@ -173,7 +175,9 @@ def linear(
     out_dtype = x.dtype if dtype is None else dtype
     if resolve(policy).narrow(x):
         return linear_widened(x, weight, out_dtype)
-    return jnp.einsum("...i,oi->...o", x, weight, preferred_element_type=out_dtype)
+    return jnp.einsum(
+        "...i,oi->...o", x, weight, preferred_element_type=out_dtype, precision=precision
+    )
 
 
 class Linear(eqx.Module):

@@ -14,6 +14,7 @@ from ._config import MOE, SLIDING, Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
 from ._moe import RouterStats
+from ._numerics import act_quant
 from ._parallel import constrain_batch
 from ._plan import LayerPlan
 from ._policy import Policy, resolve
@@ -83,8 +84,9 @@ class MTPBlock(eqx.Module):
         """As `__call__`, plus the block's `RouterStats`; `policy` as for
         `DeepseekV4.forward`."""
         policy = resolve(policy, streams)
-        e = self.e_proj(self.enorm(embed(next_ids)), policy=policy)
-        x = e[:, :, None, :] + self.h_proj(self.hnorm(streams), policy=policy)
+        n = self.block.attn.numerics
+        e = self.e_proj(act_quant(self.enorm(embed(next_ids)), n), policy=policy)
+        x = e[:, :, None, :] + self.h_proj(act_quant(self.hnorm(streams), n), policy=policy)
         x, stats = self.block.with_stats(x, next_ids, policy=policy)
         return self.norm(self.hc_head(x)), x, stats
 

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import HASH_MOE, Config
 from ._experts import Experts, swiglu
 from ._layers import Linear, f32, init_normal, lead, linear
+from ._numerics import act_quant
 from ._policy import Policy, resolve
 
 
@@ -84,7 +85,9 @@ class Gate(eqx.Module):
         Float[Array, "tokens topk"], Int[Array, "tokens topk"], Float[Array, "tokens experts"]
     ]:
         """As `__call__`, plus every expert's float32 score (the balance loss reads them)."""
-        logits = linear(x, self.weight, dtype=jnp.float32, policy=policy)
+        # Float32 routing at float32 precision whatever the backend's matmul default.
+        precision = jax.lax.Precision.HIGHEST
+        logits = linear(x, self.weight, dtype=jnp.float32, policy=policy, precision=precision)
         scores = score(logits, self.scoring_func)
         if self.tid2eid is not None:
             indices = jnp.take(self.tid2eid, ids, axis=0).astype(jnp.int32)
@@ -121,6 +124,7 @@ class SharedExpert(eqx.Module):
     w2: Linear
     w3: Linear
     limit: float = eqx.field(static=True)
+    numerics: str = eqx.field(static=True)
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jr.split(key, 3)
@@ -129,13 +133,16 @@ class SharedExpert(eqx.Module):
         self.w2 = Linear(i, d, ("embed", "mlp"), key=k2, dtype=dtype)
         self.w3 = Linear(d, i, ("mlp", "embed"), key=k3, dtype=dtype)
         self.limit = config.swiglu_limit
+        self.numerics = config.numerics
 
     def __call__(
         self, x: Float[Array, "*batch d_model"], *, policy: Policy | None = None
     ) -> Float[Array, "*batch d_model"]:
-        gate = self.w1(x, dtype=jnp.float32, policy=policy)
-        up = self.w3(x, dtype=jnp.float32, policy=policy)
-        return self.w2(swiglu(gate, up, self.limit).astype(x.dtype), policy=policy)
+        xq = act_quant(x, self.numerics)
+        gate = self.w1(xq, dtype=jnp.float32, policy=policy)
+        up = self.w3(xq, dtype=jnp.float32, policy=policy)
+        hidden = act_quant(swiglu(gate, up, self.limit).astype(x.dtype), self.numerics)
+        return self.w2(hidden, policy=policy)
 
 
 class MoE(eqx.Module):

@@ -15,6 +15,7 @@ boundary.
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,15 +52,16 @@ DEFAULT_RULES: dict[str, str | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """Logical axis name -> mesh axis name (`None`: replicated). Unlisted names are replicated."""
+    """Logical axis name -> mesh axis name, or a tuple of them (see `spec`), or `None`
+    (replicated). Unlisted names are replicated."""
 
-    rules: tuple[tuple[str, str | None], ...] = tuple(DEFAULT_RULES.items())
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(DEFAULT_RULES.items())
 
     @classmethod
-    def of(cls, mapping: Mapping[str, str | None]) -> "ShardingRules":
+    def of(cls, mapping: Mapping[str, str | tuple[str, ...] | None]) -> "ShardingRules":
         return cls(tuple(mapping.items()))
 
-    def replace(self, **changes: str | None) -> "ShardingRules":
+    def replace(self, **changes: str | tuple[str, ...] | None) -> "ShardingRules":
         return self.of({**dict(self.rules), **changes})
 
     def spec(
@@ -71,18 +73,30 @@ class ShardingRules:
     ) -> PartitionSpec:
         """The `PartitionSpec` of an array with these logical axes and shape on `mesh`. With
         `blocks` (a quantised weight's block size per dim), a dim is split only into whole
-        blocks: a split that would cut a block replicates that dim instead."""
+        blocks: a split that would cut a block replicates that dim instead.
+
+        A rule may name several mesh axes (a tuple): the dim is split over those of them, in
+        order, that the mesh has, that no other dim of the array names on its own, and whose
+        product keeps dividing it (e.g. `embed=("fsdp", "expert")` splits a dense weight
+        over both axes and an expert stack's `embed` dim over `fsdp` only, its `experts` dim
+        taking `expert`)."""
         table = dict(self.rules)
         blocks = (1,) * len(shape) if blocks is None else blocks
-        entries: list[str | None] = []
-        for name, size, block in zip(axes, shape, blocks, strict=True):
-            mesh_axis = table.get(name) if name is not None else None
-            if mesh_axis is not None and (
-                mesh_axis not in mesh.shape or size % (mesh.shape[mesh_axis] * block)
-            ):
-                mesh_axis = None
-            entries.append(mesh_axis)
-        used = [e for e in entries if e is not None]
+        wanted = [table.get(name) if name is not None else None for name in axes]
+        alone = {w for w in wanted if isinstance(w, str)}
+        entries: list[str | tuple[str, ...] | None] = []
+        for want, size, block in zip(wanted, shape, blocks, strict=True):
+            options = (want,) if isinstance(want, str) else tuple(want or ())
+            free = [a for a in options if isinstance(want, str) or a not in alone]
+            chosen: list[str] = []
+            for axis in free:
+                parts = mesh.shape.get(axis, 0) * math.prod(mesh.shape[c] for c in chosen)
+                if axis in mesh.shape and size % (parts * block) == 0:
+                    chosen.append(axis)
+                elif isinstance(want, str):
+                    break
+            entries.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+        used = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)]
         if len(used) != len(set(used)):
             raise ValueError(
                 f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"

@@ -7,7 +7,13 @@ prints XLA's per-device memory analysis (arguments, outputs, temporaries, genera
 cost analysis FLOPs and the compile times. This is how to check that a model and mesh fit before
 renting the hardware.
 
+With `--topology` (e.g. `v5p:4x4x4`; needs `pip install libtpu`, not a TPU) the programs are
+compiled by XLA's TPU compiler for that topology's chips, and the memory figures are the TPU's
+per chip. `--quantized` keeps the release's FP8/FP4 weights quantised, as
+`convert.load_hf(..., quantized=True)` does. `--phases` adds a training step (AdamW, remat).
+
     python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
+    python -m equinox_dsv4.compile --model v4-flash --topology v5p:4x4x4 --quantized
 """
 
 import argparse
@@ -17,6 +23,8 @@ import time
 
 
 MODELS = ("v4-flash", "v4-pro", "tiny")
+PHASES = ("prefill", "decode", "train")
+AXES = ("data", "fsdp", "tensor", "expert")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -26,6 +34,17 @@ def parse_mesh(text: str) -> dict[str, int]:
         if name not in ("data", "fsdp", "tensor", "expert") or not size.isdigit():
             raise ValueError(f"bad --mesh entry {part!r}: use data=N,fsdp=N,tensor=N,expert=N")
         out[name] = int(size)
+    return out
+
+
+def parse_rules(texts: list[str]) -> dict[str, str | tuple[str, ...] | None]:
+    out: dict[str, str | tuple[str, ...] | None] = {}
+    for text in texts:
+        name, _, value = text.partition("=")
+        axes = tuple(filter(None, value.split("+")))
+        if not name or any(a not in AXES for a in axes):
+            raise ValueError(f"bad --rule {text!r}: use NAME=AXIS[+AXIS] with axes from {AXES}")
+        out[name] = None if not axes else axes[0] if len(axes) == 1 else axes
     return out
 
 
@@ -43,19 +62,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, help="cache length (default: prefill + 256)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--mtp", action="store_true", help="include the MTP block's weights")
+    parser.add_argument(
+        "--topology",
+        help="compile for the chips of this TPU topology (e.g. v5p:4x4x4; needs libtpu) "
+        "instead of simulated CPU devices; the mesh must use all of them",
+    )
+    parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="the release's FP8/FP4 weights kept quantised (values and ue8m0 scales)",
+    )
+    parser.add_argument(
+        "--phases", default="prefill,decode", help="comma-separated: prefill, decode, train"
+    )
+    parser.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="NAME=AXIS[+AXIS]",
+        help="override a sharding rule (repeatable), e.g. embed=fsdp+expert: dense weights "
+        "split over fsdp and expert, expert stacks over expert (experts) and fsdp (embed)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     try:
         mesh_shape = parse_mesh(args.mesh)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        args.rules = parse_rules(args.rule)
+    except ValueError as e:
+        parser.error(str(e))
+    phases = [p for p in args.phases.split(",") if p]
+    if not phases or any(p not in PHASES for p in phases):
+        parser.error(f"bad --phases {args.phases!r}: choose from {', '.join(PHASES)}")
 
     import jax
 
-    # Before any backend starts: this many simulated CPU devices.
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    if not args.topology:  # before any backend starts: this many simulated CPU devices
+        jax.config.update("jax_num_cpu_devices", args.devices)
     try:
-        results = run(args, mesh_shape)
+        results = run(args, mesh_shape, phases)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -65,7 +112,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, mesh_shape: dict[str, int]) -> dict:
+def _devices(args: argparse.Namespace) -> list:
+    import jax
+
+    if args.topology:
+        from jax.experimental import topologies
+
+        try:
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
+        except Exception as e:  # libtpu missing, or a name it does not know
+            raise ValueError(f"cannot get TPU topology {args.topology!r}: {e}") from e
+        return list(desc.devices)
+    devices = jax.devices()[: args.devices]
+    if len(devices) < args.devices:
+        raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
+    return devices
+
+
+def _mesh(devices: list, mesh_shape: dict[str, int]):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    shape = tuple(mesh_shape.get(a, 1) for a in AXES)
+    if int(np.prod(shape)) != len(devices):
+        named = ",".join(f"{a}={n}" for a, n in zip(AXES, shape, strict=True))
+        raise ValueError(f"mesh {named} does not match {len(devices)} devices")
+    # Built directly: `jax.make_mesh` refuses shapes that split a TPU torus axis.
+    return Mesh(
+        np.array(devices).reshape(shape), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
+
+
+def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str]) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -80,27 +159,23 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int]) -> dict:
     ]()
     if not args.mtp:
         config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
-    devices = jax.devices()[: args.devices]
-    if len(devices) < args.devices:
-        raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
-    mesh = ed.make_mesh(**mesh_shape, devices=devices)
+    devices = _devices(args)
+    mesh = _mesh(devices, mesh_shape)
     batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
     max_len = args.max_len or args.prefill + 256
     dtype = jnp.dtype(args.dtype)
 
     t0 = time.perf_counter()
     model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
-    shardings = ed.named_shardings(model, mesh)
-    model = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), model, shardings
-    )
+    if args.quantized:
+        model = ed.abstract_quantized(model)
+    rules = ed.ShardingRules().replace(**args.rules)
+    model = _placed(model, ed.named_shardings(model, mesh, rules))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
-    cache = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        cache,
-        ed._sharding.cache_shardings(cache, mesh),
-    )
-    param_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(model))
+    cache = _placed(cache, ed._sharding.cache_shardings(cache, mesh))
+    param_bytes = ed.weight_bytes(model)["total"]
+    held = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, ed.QuantizedWeight))
+    parameters = sum(int(np.prod(x.shape)) for x in held)  # logical, quantised or not
     build = time.perf_counter() - t0
     with jax.set_mesh(mesh):
         rows = NamedSharding(mesh, PartitionSpec(batch_axes(batch), None))
@@ -111,28 +186,40 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int]) -> dict:
 
     results = {
         "model": args.model,
-        "devices": args.devices,
+        "devices": len(devices),
+        "topology": args.topology,
+        "platform": devices[0].platform,
+        "quantized": args.quantized,
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,
         "dtype": args.dtype,
-        "parameters": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model)),
+        "rules": {k: v for k, v in rules.rules if k in args.rules},
+        "parameters": parameters,
         "parameter_bytes": param_bytes,
-        "parameter_bytes_per_device_ideal": param_bytes / args.devices,
+        "parameter_bytes_per_device_ideal": param_bytes / len(devices),
+        "cache_bytes": sum(
+            int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache)
+        ),
         "build_seconds": build,
         "phases": {},
     }
     print(
         f"{args.model}: {results['parameters'] / 1e9:.2f} B parameters, "
-        f"{param_bytes / 2**30:.1f} GiB in {args.dtype}; mesh {dict(mesh.shape)}; "
+        f"{param_bytes / 2**30:.1f} GiB ({'FP8/FP4 + ' if args.quantized else ''}"
+        f"{args.dtype}); mesh {dict(mesh.shape)}; "
         f"batch {batch}, cache {max_len} tokens",
         file=sys.stderr,
     )
-    for phase, tokens in (("prefill", args.prefill), ("decode", 1)):
-        ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
+    for phase in phases:
+        tokens = 1 if phase == "decode" else args.prefill
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
+            if phase == "train":
+                lowered = _train_step(model, batch, tokens, rows)
+            else:
+                ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
+                lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
@@ -150,8 +237,41 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int]) -> dict:
             "flops": cost.get("flops"),
         }
         results["phases"][phase] = row
+        print(
+            f"{phase}: arguments {row['argument_bytes'] / 2**30:.2f} GiB + temporaries "
+            f"{row['temp_bytes'] / 2**30:.2f} GiB per device (compiled in {t2 - t1:.0f} s)",
+            file=sys.stderr,
+        )
     _print_table(results)
     return results
+
+
+def _placed(tree, shardings):
+    import jax
+
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
+    )
+
+
+def _train_step(model, batch: int, tokens: int, rows):
+    """The lowered training step (AdamW, per-layer remat of `"dots"`) on `batch` sequences of
+    `tokens`; the optimizer state placed as the compiler propagates it from the weights."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import equinox_dsv4 as ed
+
+    optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
+    init = jax.jit(lambda m: ed.init_train_state(m, optimizer)).lower(model).compile()
+    state = _placed(init.out_info, init.output_shardings)
+    ids = jax.ShapeDtypeStruct((batch, tokens + 1), jnp.int32, sharding=rows)
+    data = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
+        eqx.filter_eval_shape(ed.Batch.from_tokens, ids),
+    )
+    return ed.make_train_step(optimizer).lower(state, data)
 
 
 def _print_table(results: dict) -> None:

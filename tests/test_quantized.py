@@ -61,7 +61,9 @@ def release(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models(release):
-    return convert.load_hf(release, quantized=True), convert.load_hf(release)
+    # Exact numerics: the same computation on the same (dequantised) weights.
+    exact = dict(numerics="exact")
+    return convert.load_hf(release, quantized=True, **exact), convert.load_hf(release, **exact)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +197,7 @@ def test_convert_quantized_then_load(release, models, tmp_path):
     out = tmp_path / "converted"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     args = [sys.executable, "-m", "convert", release, out, "--quantized", "--dtype", "float32"]
+    args += ["--numerics", "exact"]
     result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
     help_text = subprocess.run(
@@ -223,7 +226,7 @@ def test_convert_quantized_then_load(release, models, tmp_path):
 def test_sharded_quantized_load_splits_whole_blocks(release, models):
     quantized, _ = models
     mesh = ed.make_mesh(tensor=4, expert=2)
-    sharded = convert.load_hf(release, quantized=True, mesh=mesh)
+    sharded = convert.load_hf(release, quantized=True, mesh=mesh, numerics="exact")
     held = [x for x in jax.tree.leaves(sharded, is_leaf=is_quantized) if is_quantized(x)]
     assert all(w.values.sharding.spec == w.scale.sharding.spec for w in held)
     wo_b = sharded.layers[0].blocks[0].attn.wo_b.weight  # [layers, d_model, groups x rank]
