@@ -148,8 +148,8 @@ def plan(
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json")
     config = ed.Config.from_json(hf_dir / "config.json")
-    # A release checkpoint (config.json with `quantization_config`) runs the release's
-    # numerics unless told otherwise; transformers-layout checkpoints run exact ones.
+    # Quantised weights (config.json with a `quantization_config`, as the release's) were
+    # trained with the release's round trips: those numerics unless told otherwise.
     default = "release" if config.fp8_block_size is not None else "exact"
     config = dataclasses.replace(config, numerics=numerics or default)
     problems: list[str] = []

@@ -294,7 +294,7 @@ class Attention(eqx.Module):
         w = self.window
         positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         n = self.numerics
-        xq = act_quant(x, n)  # the input of the FP8 projections wq_a and wkv
+        xq = act_quant(x, n)  # once: wq_a and wkv read the same FP8 activations
         qr = self.q_norm(self.wq_a(xq, policy=policy))
         q = self.wq_b(act_quant(qr, n), policy=policy).reshape(b, t, self.n_heads, self.head_dim)
         q = self.rope(rms_normalize(q, self.eps), positions)

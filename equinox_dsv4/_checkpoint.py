@@ -12,7 +12,8 @@ layer index (resolved through the model's `LayerPlan` to a slot of a layer stack
 block's inner decoder block.
 
 A saved model is a directory with `config.json` (transformers flavour), `equinox_dsv4.json`
-(format version, parameter dtype, execution fields) and `weights/`: orbax checkpoints
+(format version, parameter dtype, numerics, execution fields, how quantised weights are held)
+and `weights/`: orbax checkpoints
 `part-00000`, `part-00001`, ... of nested dicts keyed by the canonical names' components, written
 as the pieces stream in, and `manifest.json` saying which part holds each piece (with its shape
 and dtype). The format does not depend on the layer plan, so a checkpoint loads into any plan of
@@ -408,8 +409,10 @@ def load(
     - `rules`: logical-to-mesh axis rules (default `ShardingRules()`).
     - `batch_bytes`: how much is read from disk per batch of leaves.
 
-    **Returns:** the `DeepseekV4` model. Raises `CheckpointError` listing every mismatch
-    between the saved pieces and the config before reading any weights.
+    **Returns:** the `DeepseekV4` model, with its weights as saved: quantised weights (from
+    `python -m convert --quantized` or `save` of a quantised model) come back as
+    `QuantizedWeight`s, and the config keeps its `numerics`. Raises `CheckpointError` listing
+    every mismatch between the saved pieces and the config before reading any weights.
     """
     from orbax.checkpoint.experimental import v1 as ocp
 

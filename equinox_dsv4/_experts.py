@@ -23,7 +23,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ._config import Config
 from ._forms import zeros_after
 from ._layers import init_normal, linear, wider_dtype
-from ._numerics import act_quant
+from ._numerics import ACT_BLOCK, RELEASE, act_quant
 from ._parallel import batch_axes, mesh_axis
 from ._policy import Policy, resolve
 from ._quant import QuantizedWeight, dense, whole_blocks
@@ -371,10 +371,13 @@ def expert_parallel(
     the official inference code's expert parallelism, as a `shard_map`."""
     mesh = jax.sharding.get_abstract_mesh()
     w1, w2 = experts.w1, experts.w2
-    # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it).
-    tensor_ok = whole_blocks(w1, -2, mesh_axis("tensor")) and whole_blocks(
-        w2, -1, mesh_axis("tensor")
-    )
+    # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
+    # under the release's numerics each device's share of the hidden units must also hold
+    # whole 128-wide activation blocks, or its round trips would differ from one device's.
+    parts = mesh_axis("tensor")
+    tensor_ok = whole_blocks(w1, -2, parts) and whole_blocks(w2, -1, parts)
+    if experts.numerics == RELEASE:
+        tensor_ok = tensor_ok and w1.shape[-2] % (parts * ACT_BLOCK) == 0
     tensor = "tensor" if mesh_axis("tensor") > 1 and tensor_ok else None
     # The weights enter in their stored layout (`d_model` split over fsdp, see ShardingRules)
     # and are gathered here, one layer at a time: a layout change demanded at the boundary

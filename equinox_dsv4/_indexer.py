@@ -108,8 +108,14 @@ class LightningIndexer(eqx.Module):
         # weights (`weights_proj` output, then scaled), each weighted term and the head sum
         # rounded to bfloat16; every product and the sum accumulated in float32.
         w = bf16_round(bf16_round(self.weights_proj(x, dtype=jnp.float32, policy=policy)) * scale)
-        logits = bf16_round(einsum_f32("bshk,bnk->bshn", q, keys, policy=policy))
-        terms = bf16_round(jax.nn.relu(logits) * w[..., None])
+        if q.shape[1] <= _FEW_QUERIES:  # the keys as the product's rows (see `scores`)
+            c = wider_dtype(q, keys)
+            logits = jnp.einsum(
+                "bnk,bshk->bshn", keys.astype(c), q.astype(c), preferred_element_type=jnp.float32
+            )
+        else:
+            logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
+        terms = bf16_round(jax.nn.relu(bf16_round(logits)) * w[..., None])
         return bf16_round(jnp.sum(terms, axis=2))
 
     def select(

@@ -7,8 +7,8 @@ pytree leaves; whoever multiplies by it dequantises it inside the computation (`
 matmul's operand at a time, so a model's resident weights stay at the release's size.
 
 Scales are `uint8` exponents (`ue8m0`: the multiplier `2^(byte - 127)`) or float32 multipliers
-(transformers' `weight_scale_inv`). Dequantisation is exact in float32 and bfloat16: an e4m3 or
-e2m1 value times a power of two is representable in both.
+(transformers' `weight_scale_inv`). With ue8m0 scales dequantisation is exact in float32 and
+bfloat16: an e4m3 or e2m1 value times a power of two is representable in both.
 """
 
 from typing import Any
@@ -46,11 +46,21 @@ class QuantizedWeight(eqx.Module):
     scale: Shaped[Array, "*lead out_blocks in_blocks"]
     fmt: str = eqx.field(static=True)
     block: tuple[int, int] = eqx.field(static=True)
-    dtype: Any = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True, converter=jnp.dtype)
 
     def __check_init__(self):
         if self.fmt not in (FP8, FP4):
             raise ValueError(f"QuantizedWeight: fmt must be {FP8!r} or {FP4!r}, got {self.fmt!r}")
+        stored = jnp.float8_e4m3fn if self.fmt == FP8 else jnp.uint8
+        if self.values.dtype != stored:
+            raise ValueError(
+                f"QuantizedWeight: {self.fmt} values must be {jnp.dtype(stored).name}, got "
+                f"{self.values.dtype}"
+            )
+        if self.scale.dtype != jnp.uint8 and not jnp.issubdtype(self.scale.dtype, jnp.floating):
+            raise ValueError(
+                f"QuantizedWeight: scales must be uint8 (ue8m0) or floats, got {self.scale.dtype}"
+            )
         if self.values.ndim != self.scale.ndim or self.values.ndim < 2:
             raise ValueError(
                 f"QuantizedWeight: values {self.values.shape} and scale {self.scale.shape} must "
@@ -71,6 +81,13 @@ class QuantizedWeight(eqx.Module):
     @property
     def ndim(self) -> int:
         return self.values.ndim
+
+    @property
+    def split_block(self) -> tuple[int, int]:
+        """The granularity of a split of the last two dims across devices: whole blocks, and
+        for FP4 (routed experts) multiples of 32 along both dims, so that an expert's `w1`,
+        `w2` and `w3` (whose 32-wide blocks lie along different dims) split alike."""
+        return (32, 32) if self.fmt == FP4 else self.block
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +113,11 @@ class QuantizedWeight(eqx.Module):
         """The dense weight in `dtype` (default `self.dtype`); exact."""
         dtype = self.dtype if dtype is None else dtype
         codes = _e2m1(self.values) if self.fmt == FP4 else self.values
-        return _apply_scale(codes.astype(dtype), multipliers(self.scale, dtype), self.block)
+        # Power-of-two (ue8m0) scales are exact in any float dtype; other float scales are
+        # applied in float32, then rounded once.
+        work = dtype if self.scale.dtype == jnp.uint8 else jnp.float32
+        scaled = _apply_scale(codes.astype(work), multipliers(self.scale, work), self.block)
+        return scaled.astype(dtype)
 
 
 def dense(weight: Any, dtype: DTypeLike) -> Array:
@@ -120,7 +141,7 @@ def whole_blocks(weight: Any, axis: int, parts: int) -> bool:
     axis %= len(shape)
     size = shape[axis]
     if isinstance(weight, QuantizedWeight) and axis >= len(shape) - 2:
-        return size % (parts * weight.block[axis - len(shape) + 2]) == 0
+        return size % (parts * weight.split_block[axis - len(shape) + 2]) == 0
     return size % parts == 0
 
 

@@ -29,11 +29,12 @@ _FP4 = re.compile(r".*\.ffn\.experts\.w[123]")
 DEFAULT_BLOCK = (128, 128)
 
 
-def release_format(path: str) -> str | None:
+def release_format(path: str, expert_dtype: str | None = None) -> str | None:
     """`"e4m3"`, `"e2m1"` or `None`: how the release stores the weight at this pytree path
-    (`jax.tree_util.keystr`)."""
+    (`jax.tree_util.keystr`). Routed experts are FP4 unless `expert_dtype` (the config's) is
+    `"fp8"` (the official converter's `--expert-dtype fp8`)."""
     if _FP4.fullmatch(path):
-        return FP4
+        return FP8 if expert_dtype == "fp8" else FP4
     if _FP8.fullmatch(path):
         return FP8
     return None
@@ -48,7 +49,7 @@ def _map_release(model: DeepseekV4, fn) -> DeepseekV4:
     def visit(path, leaf):
         if isinstance(leaf, QuantizedWeight):
             return leaf
-        fmt = release_format(jax.tree_util.keystr(path))
+        fmt = release_format(jax.tree_util.keystr(path), model.config.expert_dtype)
         return leaf if fmt is None else fn(leaf, fmt)
 
     return jax.tree_util.tree_map_with_path(

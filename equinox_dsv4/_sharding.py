@@ -76,18 +76,19 @@ class ShardingRules:
         blocks: a split that would cut a block replicates that dim instead.
 
         A rule may name several mesh axes (a tuple): the dim is split over those of them, in
-        order, that the mesh has, that no other dim of the array names on its own, and whose
-        product keeps dividing it (e.g. `embed=("fsdp", "expert")` splits a dense weight
-        over both axes and an expert stack's `embed` dim over `fsdp` only, its `experts` dim
-        taking `expert`)."""
+        order, that the mesh has, that no other dim of the array names on its own or took
+        for an earlier dim, and whose product keeps dividing it. E.g. `embed=("fsdp",
+        "expert")` splits a dense weight's `embed` dim over both axes, and an expert stack's
+        over `fsdp` only, its `experts` dim taking `expert`."""
         table = dict(self.rules)
         blocks = (1,) * len(shape) if blocks is None else blocks
         wanted = [table.get(name) if name is not None else None for name in axes]
         alone = {w for w in wanted if isinstance(w, str)}
         entries: list[str | tuple[str, ...] | None] = []
+        taken: set[str] = set()  # mesh axes an earlier dim's tuple took
         for want, size, block in zip(wanted, shape, blocks, strict=True):
             options = (want,) if isinstance(want, str) else tuple(want or ())
-            free = [a for a in options if isinstance(want, str) or a not in alone]
+            free = [a for a in options if isinstance(want, str) or a not in alone | taken]
             chosen: list[str] = []
             for axis in free:
                 parts = mesh.shape.get(axis, 0) * math.prod(mesh.shape[c] for c in chosen)
@@ -95,6 +96,8 @@ class ShardingRules:
                     chosen.append(axis)
                 elif isinstance(want, str):
                     break
+            if not isinstance(want, str):
+                taken.update(chosen)
             entries.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
         used = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)]
         if len(used) != len(set(used)):
@@ -188,7 +191,7 @@ def partition_specs(
         if not isinstance(leaf, QuantizedWeight):
             return rules.spec(axes[key], leaf.shape, mesh)
         # Values and scales split alike, into whole blocks, so each device dequantises its own.
-        blocks = (1,) * (leaf.ndim - 2) + leaf.block
+        blocks = (1,) * (leaf.ndim - 2) + leaf.split_block
         one = rules.spec(axes[key + ".values"], leaf.shape, mesh, blocks)
         return jax.tree.map(lambda _: one, leaf)
 

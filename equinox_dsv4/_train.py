@@ -80,15 +80,11 @@ def trainable(model: DeepseekV4) -> PyTree[bool]:
     and scales stay frozen: a model loaded with `quantized=True` fine-tunes its dense
     leaves)."""
 
-    def keep(path, leaf):
-        key = jax.tree_util.keystr(path)
-        frozen = key.endswith(".ffn.gate.bias") or isinstance(leaf, QuantizedWeight)
-        return eqx.is_inexact_array(leaf) and not frozen
-
     def visit(path, leaf):
         if isinstance(leaf, QuantizedWeight):
             return jax.tree.map(lambda _: False, leaf)
-        return keep(path, leaf)
+        frozen = jax.tree_util.keystr(path).endswith(".ffn.gate.bias")
+        return eqx.is_inexact_array(leaf) and not frozen
 
     return jax.tree_util.tree_map_with_path(
         visit, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)

@@ -39,11 +39,16 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def parse_rules(texts: list[str]) -> dict[str, str | tuple[str, ...] | None]:
     out: dict[str, str | tuple[str, ...] | None] = {}
+    from equinox_dsv4._sharding import DEFAULT_RULES
+
     for text in texts:
         name, _, value = text.partition("=")
         axes = tuple(filter(None, value.split("+")))
-        if not name or any(a not in AXES for a in axes):
-            raise ValueError(f"bad --rule {text!r}: use NAME=AXIS[+AXIS] with axes from {AXES}")
+        if name not in DEFAULT_RULES or "=" not in text or any(a not in AXES for a in axes):
+            raise ValueError(
+                f"bad --rule {text!r}: use NAME=AXIS[+AXIS] (or NAME= to replicate) with NAME "
+                f"one of {sorted(DEFAULT_RULES)} and axes from {AXES}"
+            )
         out[name] = None if not axes else axes[0] if len(axes) == 1 else axes
     return out
 
@@ -74,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--phases", default="prefill,decode", help="comma-separated: prefill, decode, train"
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "release"),
+        default="exact",
+        help="'release': the official inference code's FP8/FP4 round trips (Config.numerics)",
     )
     parser.add_argument(
         "--rule",
@@ -145,6 +156,8 @@ def _mesh(devices: list, mesh_shape: dict[str, int]):
 
 
 def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str]) -> dict:
+    import dataclasses
+
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -159,6 +172,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     ]()
     if not args.mtp:
         config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
+    config = dataclasses.replace(config, numerics=args.numerics)
     devices = _devices(args)
     mesh = _mesh(devices, mesh_shape)
     batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
@@ -190,6 +204,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "topology": args.topology,
         "platform": devices[0].platform,
         "quantized": args.quantized,
+        "numerics": args.numerics,
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,

@@ -114,10 +114,10 @@ def test_release_logits_match_the_patched_reference(models):
     # Both sides compute in float32 but not in the same order, so a value within a few ulps
     # of an FP8/FP4 rounding boundary can round to neighbouring codes: one element one code
     # apart (1/16 of it in e4m3), which moves that token's logits, and later tokens' a little.
-    # Few positions, then, and by much less than the round trips themselves move the logits.
-    assert flipped.sum() <= 0.05 * flipped.size
-    assert per_position.max() < 0.25 * moved
-    np.testing.assert_allclose(got[~flipped], expected[~flipped], atol=1e-4, rtol=1e-4)
+    # One such position here (seen: 2.9e-2 there); everywhere else float32 agreement.
+    assert flipped.sum() <= 2
+    assert per_position.max() < 0.1
+    assert per_position[~flipped].max() < 1e-5
 
 
 def test_release_decode_equals_its_forward(models):

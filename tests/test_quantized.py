@@ -225,17 +225,23 @@ def test_convert_quantized_then_load(release, models, tmp_path):
 
 def test_sharded_quantized_load_splits_whole_blocks(release, models):
     quantized, _ = models
-    mesh = ed.make_mesh(tensor=4, expert=2)
+    mesh = ed.make_mesh(tensor=2, expert=4)
     sharded = convert.load_hf(release, quantized=True, mesh=mesh, numerics="exact")
     held = [x for x in jax.tree.leaves(sharded, is_leaf=is_quantized) if is_quantized(x)]
     assert all(w.values.sharding.spec == w.scale.sharding.spec for w in held)
     wo_b = sharded.layers[0].blocks[0].attn.wo_b.weight  # [layers, d_model, groups x rank]
     assert wo_b.shape == (1, 64, 16)
     dense_spec = ed.ShardingRules().spec((None, "embed", "groups_x_rank"), wo_b.shape, mesh)
-    assert dense_spec[2] == "tensor"  # a dense weight splits its 16 inputs four ways...
+    assert dense_spec[2] == "tensor"  # a dense weight splits its 16 inputs two ways...
     assert wo_b.values.sharding.spec[2] is None  # ...which would cut its 32-wide blocks
-    w1 = sharded.layers[1].blocks[0].ffn.experts.w1  # 1 x 32 blocks: rows split freely
+    # FP4 experts split in multiples of 32 along both dims, so that w1, w2 and w3 (blocks
+    # along different dims) split alike: 64 hidden units two ways.
+    w1, w2 = (
+        sharded.layers[1].blocks[0].ffn.experts.w1,
+        sharded.layers[1].blocks[0].ffn.experts.w2,
+    )
     assert w1.values.sharding.spec[1:3] == ("expert", "tensor")
+    assert w2.values.sharding.spec[1] == "expert" and w2.values.sharding.spec[3] == "tensor"
     with jax.set_mesh(mesh):
         logits = forward(sharded, IDS)
     np.testing.assert_allclose(logits, forward(quantized, IDS), atol=1e-5, rtol=1e-5)

@@ -94,6 +94,30 @@ def test_specs_follow_the_rules():
     assert stack.attn_norm.weight == P(None, None)
 
 
+def test_rules_with_several_mesh_axes():
+    # Dense weights over fsdp and expert; an expert stack's `experts` dim keeps `expert`, so
+    # its `embed` dim gets fsdp only; a later dim gets what an earlier one left.
+    rules = ed.ShardingRules().replace(embed=("fsdp", "expert"), groups_x_rank=("tensor", "expert"))
+    model = abstract(ed.DeepseekV4, CONFIG)
+    mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
+    (stack,) = ed.partition_specs(model, mesh, rules).layers
+    block = stack.blocks[0]
+    assert block.ffn.experts.w1 == P(None, "expert", "tensor", "fsdp")
+    assert block.attn.wq_a.weight == P(None, None, ("fsdp", "expert"))
+    assert block.attn.wo_b.weight == P(None, ("fsdp", "expert"), "tensor")
+    assert block.attn.wo_a.weight == P(None, ("tensor", "expert"), "fsdp")
+    with jax.set_mesh(mesh):
+        sharded = ed.shard(random_fill(model, seed=3), mesh, rules)
+        single = random_fill(model, seed=3)
+        ids = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 12)))
+        np.testing.assert_allclose(
+            eqx.filter_jit(lambda m, i: m(i))(sharded, ids),
+            eqx.filter_jit(lambda m, i: m(i))(single, ids),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
 def test_rules_refuse_one_mesh_axis_twice():
     rules = ed.ShardingRules().replace(q_lora="fsdp")
     mesh = ed.make_mesh(fsdp=8)

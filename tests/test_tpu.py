@@ -5,6 +5,7 @@ not XLA:CPU's, because the execution `Policy` is decided from the platform of th
 compiled for."""
 
 import dataclasses
+import json
 import re
 
 import equinox as eqx
@@ -139,3 +140,25 @@ def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
         lowered = ed.make_train_step(optimizer).lower(state, batch)
     memory = lowered.compile().memory_analysis()
     assert memory.temp_size_in_bytes > 0 and memory.alias_size_in_bytes > 0
+
+
+def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):
+    # In this process (libtpu allows one process at a time): the CLI's TPU path with the
+    # release's weights kept quantised, compiled for the topology's four chips.
+    from equinox_dsv4 import compile as compile_cli
+
+    del tpu_mesh  # the topology is held by this process already
+    out = tmp_path / "compile.json"
+    args = ["--model", "tiny", "--topology", "v5p:2x2x1", "--mesh", "fsdp=2,expert=2"]
+    args += ["--quantized", "--phases", "decode", "--prefill", "32", "--json", str(out)]
+    args += ["--rule", "embed=fsdp+expert"]
+    assert compile_cli.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["platform"] == "tpu" and report["devices"] == 4 and report["quantized"]
+    assert report["rules"] == {"embed": ["fsdp", "expert"]}
+    decode = report["phases"]["decode"]
+    assert decode["argument_bytes"] > 0 and decode["temp_bytes"] > 0
+    # Arguments: the weights (quantised ones at the release's size) split over the chips,
+    # plus the cache.
+    ideal = report["parameter_bytes"] / 4 + report["cache_bytes"] / 2
+    assert decode["argument_bytes"] < 1.5 * ideal

@@ -1,0 +1,102 @@
+"""Per-chip memory of V4-Flash and V4-Pro on TPU v5p slices, compiled here without a TPU.
+
+Each run is `python -m equinox_dsv4.compile --topology ...` (libtpu's compiler, so the figures
+are the TPU's per chip) on the recommended mesh and sharding rules (README, "Memory on TPUs"),
+bf16 activations, batch one sequence per `fsdp` row, a 4096-token prefill and a decode step
+with a 4352-token cache, weights in bf16 or kept quantised (`--quantized`). Runs one after
+another (libtpu allows one process at a time); each writes its own JSON under `--work`, and a
+run whose JSON is there already is not repeated.
+
+    python benchmarks/tpu_memory.py [--only flash-q-64 ...] [--work /tmp/tpu]
+
+Writes benchmarks/results/tpu_memory.{json,md}.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from common import ROOT, markdown, write
+
+
+RULES = ["embed=fsdp+expert", "heads_x_dim=tensor+expert", "groups_x_rank=tensor+expert"]
+RULES += ["mlp=tensor+expert"]
+TOPOLOGIES = {64: ("v5p:4x4x4", "fsdp=8,expert=8"), 128: ("v5p:4x4x8", "fsdp=16,expert=8")}
+TOPOLOGIES |= {256: ("v5p:4x8x8", "fsdp=16,expert=16"), 16: ("v5p:2x2x4", "fsdp=2,expert=8")}
+# name -> (model, quantised, chips, phases)
+RUNS = {
+    "flash-q-64": ("v4-flash", True, 64, "decode,prefill"),
+    "flash-b-64": ("v4-flash", False, 64, "decode,prefill"),
+    "flash-q-128": ("v4-flash", True, 128, "decode,prefill"),
+    "flash-q-256": ("v4-flash", True, 256, "decode,prefill"),
+    "flash-b-128": ("v4-flash", False, 128, "decode,prefill"),
+    "flash-b-256": ("v4-flash", False, 256, "decode,prefill"),
+    "flash-q-64-train": ("v4-flash", True, 64, "train"),
+    "flash-b-64-train": ("v4-flash", False, 64, "train"),
+    "pro-q-16": ("v4-pro", True, 16, "decode"),
+    "pro-q-64": ("v4-pro", True, 64, "decode,prefill"),
+    "pro-q-128": ("v4-pro", True, 128, "decode,prefill"),
+    "pro-q-256": ("v4-pro", True, 256, "decode,prefill"),
+    "pro-b-64": ("v4-pro", False, 64, "decode,prefill"),
+}
+
+
+def run(name: str, work: pathlib.Path) -> dict | None:
+    out = work / f"{name}.json"
+    if not out.exists():
+        model, quantized, chips, phases = RUNS[name]
+        topology, mesh = TOPOLOGIES[chips]
+        cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", model]
+        cmd += ["--topology", topology, "--mesh", mesh, "--phases", phases, "--json", str(out)]
+        cmd += [a for rule in RULES for a in ("--rule", rule)]
+        cmd += ["--quantized"] if quantized else []
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"{name}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
+            return None
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument("--work", default="/tmp/tpu", help="per-run JSON files (reused)")
+    args = parser.parse_args()
+    work = pathlib.Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    gib = 2**30
+    rows, table = [], []
+    for name in args.only or RUNS:
+        report = run(name, work)
+        if report is None:
+            continue
+        model, quantized, chips, _ = RUNS[name]
+        row = {"name": name, **{k: v for k, v in report.items() if k != "build_seconds"}}
+        rows.append(row)
+        cells = [
+            f"{model}, {'FP8/FP4' if quantized else 'bf16'}",
+            f"{chips} ({report['topology']})",
+            f"{report['parameter_bytes_per_device_ideal'] / gib:.2f} GiB",
+        ]
+        for phase in ("prefill", "decode", "train"):
+            r = report["phases"].get(phase)
+            if r is None:
+                cells.append("-")
+                continue
+            args_, temp = r["argument_bytes"] / gib, r["temp_bytes"] / gib
+            cells.append(f"{args_:.2f} + {temp:.2f} = {args_ + temp:.2f} GiB")
+        table.append(cells)
+        print(cells, flush=True)
+    header = ["model, weights", "chips (topology)", "weights / chips"]
+    header += ["prefill: arguments + temporaries", "decode: arguments + temporaries"]
+    header += ["train step: arguments + temporaries"]
+    write("tpu_memory", rows, markdown(header, table), {"rules": RULES})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
