@@ -26,6 +26,7 @@ RULES = ["embed=fsdp+expert", "heads_x_dim=tensor+expert", "groups_x_rank=tensor
 RULES += ["mlp=tensor+expert"]
 TOPOLOGIES = {64: ("v5p:4x4x4", "fsdp=8,expert=8"), 128: ("v5p:4x4x8", "fsdp=16,expert=8")}
 TOPOLOGIES |= {256: ("v5p:4x8x8", "fsdp=16,expert=16"), 16: ("v5p:2x2x4", "fsdp=2,expert=8")}
+PHASES = ("prefill", "decode", "train")
 # name -> (model, quantised, chips, phases)
 RUNS = {
     "flash-q-64": ("v4-flash", True, 64, "decode,prefill"),
@@ -45,7 +46,10 @@ RUNS = {
 
 
 def run(name: str, work: pathlib.Path) -> dict | None:
-    out = work / f"{name}.json"
+    """The run's report; `{"error": ...}` when XLA refused to compile it (kept, not retried)."""
+    out, refused = work / f"{name}.json", work / f"{name}.error"
+    if refused.exists():
+        return {"error": refused.read_text().strip()}
     if not out.exists():
         model, quantized, chips, phases = RUNS[name]
         topology, mesh = TOPOLOGIES[chips]
@@ -56,8 +60,10 @@ def run(name: str, work: pathlib.Path) -> dict | None:
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            print(f"{name}: failed\n{result.stderr[-2000:]}", file=sys.stderr)
-            return None
+            lines = [x for x in result.stderr.splitlines() if "Error" in x] or ["failed"]
+            refused.write_text(lines[-1] + "\n")
+            print(f"{name}: {lines[-1]}", file=sys.stderr)
+            return {"error": lines[-1]}
     return json.loads(out.read_text())
 
 
@@ -74,15 +80,23 @@ def main() -> int:
         report = run(name, work)
         if report is None:
             continue
-        model, quantized, chips, _ = RUNS[name]
+        model, quantized, chips, phases = RUNS[name]
         row = {"name": name, **{k: v for k, v in report.items() if k != "build_seconds"}}
+        if "error" in report:
+            rows.append(row)
+            weights = f"{model}, {'FP8/FP4' if quantized else 'bf16'}"
+            cells = [weights, f"{chips} ({TOPOLOGIES[chips][0]})", "-"]
+            why = report["error"].split("CompileTimeHbmOom: ")[-1].split(". HLO")[0]
+            cells += [f"refused: {why}" if p in phases else "-" for p in PHASES]
+            table.append(cells)
+            continue
         rows.append(row)
         cells = [
             f"{model}, {'FP8/FP4' if quantized else 'bf16'}",
             f"{chips} ({report['topology']})",
             f"{report['parameter_bytes_per_device_ideal'] / gib:.2f} GiB",
         ]
-        for phase in ("prefill", "decode", "train"):
+        for phase in PHASES:
             r = report["phases"].get(phase)
             if r is None:
                 cells.append("-")
