@@ -11,6 +11,9 @@ official inference code applies, for `Config.numerics == "release"`.
   e2m1 round trip in blocks of 32; its scores are rounded to bfloat16 where the official code
   computes them in bfloat16.
 
+These are the current official revision's: its first one cast the scaled values of the
+in-place round trips (the KV's) to the input dtype instead of FP8, which made them no-ops.
+
 A round trip: per block, `s = 2^ceil(log2(amax * (1 / max)))` (amax clamped from below as
 the official kernels do), `q = cast(clip(x / s, -max, max))` rounded to nearest even, and
 `q * s` back in `x`'s dtype. All of it runs in float32.
