@@ -70,6 +70,8 @@ _FIRST = (
     "test_tpu.py",
     "test_sharding.py",
     "test_convert.py",
+    "test_quantized.py",
+    "test_numerics.py",
 )
 # Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
 # lock) run on one worker; every other test goes to whichever worker is free.
@@ -78,6 +80,8 @@ _TOGETHER = {
     "test_decode.py": "decode",
     "test_sharding.py": "sharding",
     "test_tpu.py": "tpu",
+    "test_quantized.py": "quantized",
+    "test_numerics.py": "numerics",
     "test_train.py::test_bias_update_and_frozen_leaves": "train-small",
     "test_train.py::test_resume_is_bit_exact": "train-small",
 }

@@ -177,7 +177,7 @@ def test_resident_bytes_are_the_release_bytes(release, models):
 
 
 def test_decode_of_the_quantized_model_equals_its_forward(models):
-    quantized, dequantised = models
+    quantized, _ = models
     full = np.asarray(forward(quantized, IDS))
     step = eqx.filter_jit(lambda m, ids, cache: m.decode(ids, cache))
     cache = quantized.init_cache(2, 64)
@@ -186,10 +186,6 @@ def test_decode_of_the_quantized_model_equals_its_forward(models):
     for t in range(30, 33):  # one-token steps: the experts' per-assignment path
         logits, cache = step(quantized, IDS[:, t : t + 1], cache)
         np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
-    prompts = [list(map(int, IDS[0, :12])), list(map(int, IDS[1, :7]))]
-    assert ed.generate(quantized, prompts, max_new_tokens=5) == ed.generate(
-        dequantised, prompts, max_new_tokens=5
-    )
 
 
 def test_convert_quantized_then_load(release, models, tmp_path):
