@@ -3,7 +3,8 @@
 Each run is `python -m equinox_dsv4.compile --topology ...` (libtpu's compiler, so the figures
 are the TPU's per chip) on the recommended mesh and sharding rules (README, "Memory on TPUs"),
 bf16 activations, batch one sequence per `fsdp` row, a 4096-token prefill and a decode step
-with a 4352-token cache, weights in bf16 or kept quantised (`--quantized`). Runs one after
+with a 4352-token cache, weights in bf16 or kept quantised (`--quantized`), exact numerics
+unless the row says otherwise. Runs one after
 another (libtpu allows one process at a time); each writes its own JSON under `--work`, and a
 run whose JSON is there already is not repeated.
 
@@ -27,21 +28,27 @@ RULES += ["mlp=tensor+expert"]
 TOPOLOGIES = {64: ("v5p:4x4x4", "fsdp=8,expert=8"), 128: ("v5p:4x4x8", "fsdp=16,expert=8")}
 TOPOLOGIES |= {256: ("v5p:4x8x8", "fsdp=16,expert=16"), 16: ("v5p:2x2x4", "fsdp=2,expert=8")}
 PHASES = ("prefill", "decode", "train")
-# name -> (model, quantised, chips, phases)
+# name -> (model, quantised, chips, phases[, numerics])
 RUNS = {
     "flash-q-64": ("v4-flash", True, 64, "decode,prefill"),
+    "flash-q-64-release": ("v4-flash", True, 64, "decode,prefill", "release"),
     "flash-b-64": ("v4-flash", False, 64, "decode,prefill"),
     "flash-q-128": ("v4-flash", True, 128, "decode,prefill"),
     "flash-q-256": ("v4-flash", True, 256, "decode,prefill"),
     "flash-b-128": ("v4-flash", False, 128, "decode,prefill"),
     "flash-b-256": ("v4-flash", False, 256, "decode,prefill"),
     "flash-q-64-train": ("v4-flash", True, 64, "train"),
+    "flash-q-128-train": ("v4-flash", True, 128, "train"),
+    "flash-q-256-train": ("v4-flash", True, 256, "train"),
     "flash-b-64-train": ("v4-flash", False, 64, "train"),
     "pro-q-16": ("v4-pro", True, 16, "decode"),
     "pro-q-64": ("v4-pro", True, 64, "decode,prefill"),
     "pro-q-128": ("v4-pro", True, 128, "decode,prefill"),
     "pro-q-256": ("v4-pro", True, 256, "decode,prefill"),
+    "pro-q-64-train": ("v4-pro", True, 64, "train"),
     "pro-b-64": ("v4-pro", False, 64, "decode,prefill"),
+    "pro-b-128": ("v4-pro", False, 128, "decode,prefill"),
+    "pro-b-256": ("v4-pro", False, 256, "decode,prefill"),
 }
 
 
@@ -51,16 +58,21 @@ def run(name: str, work: pathlib.Path) -> dict | None:
     if refused.exists():
         return {"error": refused.read_text().strip()}
     if not out.exists():
-        model, quantized, chips, phases = RUNS[name]
+        model, quantized, chips, phases, *numerics = RUNS[name]
         topology, mesh = TOPOLOGIES[chips]
         cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", model]
         cmd += ["--topology", topology, "--mesh", mesh, "--phases", phases, "--json", str(out)]
         cmd += [a for rule in RULES for a in ("--rule", rule)]
         cmd += ["--quantized"] if quantized else []
+        cmd += ["--numerics", numerics[0]] if numerics else []
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
-            lines = [x for x in result.stderr.splitlines() if "Error" in x] or ["failed"]
+            # The last error line; libtpu's start-up warnings (no TPU here) are not errors.
+            lines = [x for x in result.stderr.splitlines() if x.strip()] or ["failed"]
+            lines = [x for x in lines if x.startswith(("jax.errors", "error:"))] or lines
+            if result.returncode < 0:  # e.g. the TPU compiler aborting
+                lines = [f"the compiler process died of signal {-result.returncode}"]
             refused.write_text(lines[-1] + "\n")
             print(f"{name}: {lines[-1]}", file=sys.stderr)
             return {"error": lines[-1]}
@@ -80,11 +92,12 @@ def main() -> int:
         report = run(name, work)
         if report is None:
             continue
-        model, quantized, chips, phases = RUNS[name]
+        model, quantized, chips, phases, *numerics = RUNS[name]
         row = {"name": name, **{k: v for k, v in report.items() if k != "build_seconds"}}
+        weights = f"{model}, {'FP8/FP4' if quantized else 'bf16'}"
+        weights += f", {numerics[0]} numerics" if numerics else ""
         if "error" in report:
             rows.append(row)
-            weights = f"{model}, {'FP8/FP4' if quantized else 'bf16'}"
             cells = [weights, f"{chips} ({TOPOLOGIES[chips][0]})", "-"]
             why = report["error"].split("CompileTimeHbmOom: ")[-1].split(". HLO")[0]
             cells += [f"refused: {why}" if p in phases else "-" for p in PHASES]
@@ -92,7 +105,7 @@ def main() -> int:
             continue
         rows.append(row)
         cells = [
-            f"{model}, {'FP8/FP4' if quantized else 'bf16'}",
+            weights,
             f"{chips} ({report['topology']})",
             f"{report['parameter_bytes_per_device_ideal'] / gib:.2f} GiB",
         ]

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quantized",
         action="store_true",
         help="keep the release's FP8/FP4 weights as stored (values and ue8m0 scales; each "
-        "matmul dequantises its own weight): about a third of the bfloat16 size",
+        "matmul dequantises its own weight): V4-Flash 145 GiB instead of 530 GiB in bfloat16",
     )
     parser.add_argument(
         "--numerics",
