@@ -267,3 +267,20 @@ def test_quantized_needs_quantized_weights(tmp_path):
     with pytest.raises(ed.CheckpointError, match="quantized=False") as info:
         convert.load_hf(tmp_path, quantized=True, load_mtp=False)
     assert "attn.wq_a.weight" in str(info.value)
+
+
+def test_fp8_routed_experts_when_the_config_says_so(getkey):
+    # The official converter's `--expert-dtype fp8` stores routed experts as FP8 in 128 x 128
+    # blocks; `expert_dtype="fp8"` in the config keeps them so.
+    config = tiny_config(
+        layer_types=(S, C), num_nextn_predict_layers=0, num_hash_layers=1, expert_dtype="fp8"
+    )
+    abstract = ed.abstract_quantized(eqx.filter_eval_shape(ed.DeepseekV4, config, key=getkey()))
+    w1 = abstract.layers[1].blocks[0].ffn.experts.w1
+    assert w1.fmt == "e4m3" and w1.values.dtype == jnp.float8_e4m3fn and w1.block == (128, 128)
+    model = ed.quantize_model(ed.DeepseekV4(config, key=getkey()))
+    assert jax.tree.structure(model) == jax.tree.structure(abstract)
+    ids = IDS[:, :12] % config.vocab_size
+    np.testing.assert_allclose(
+        forward(model, ids), forward(ed.dequantize_model(model), ids), atol=1e-5, rtol=1e-5
+    )
