@@ -28,11 +28,9 @@ from ._config import (
     YarnScaling as YarnScaling,
 )
 from ._generate import (
-    Sampling as Sampling,
     decode_step as decode_step,
     generate as generate,
     prefill as prefill,
-    sample as sample,
 )
 from ._model import REMAT_POLICIES as REMAT_POLICIES, DeepseekV4 as DeepseekV4
 from ._moe import RouterStats as RouterStats
@@ -46,6 +44,7 @@ from ._release import (
     quantize_model as quantize_model,
     weight_bytes as weight_bytes,
 )
+from ._sampling import Sampling as Sampling, accept_drafts as accept_drafts, sample as sample
 from ._sharding import (
     ShardingRules as ShardingRules,
     logical_axes as logical_axes,
@@ -96,6 +95,7 @@ __all__ = [
     "prefill",
     "decode_step",
     "sample",
+    "accept_drafts",
     # the chat format and the tokenizer
     "chat_prompt",
     "encode_text",

@@ -20,7 +20,7 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._cache import LayerCache
+from ._cache import LayerCache, window_slots
 from ._compressor import CSACompressor, HCACompressor
 from ._config import CSA, HCA, SLIDING, Config
 from ._indexer import LightningIndexer, visible_blocks
@@ -241,14 +241,15 @@ class Attention(eqx.Module):
         assert name == "attn_sink"
         return ("heads",)
 
-    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> LayerCache:
-        """An empty cache for `batch` sequences of up to `max_len` tokens."""
-        ring = jnp.zeros((batch, self.window, self.head_dim), dtype)
+    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike, rewind: int = 0) -> LayerCache:
+        """An empty cache for `batch` sequences of up to `max_len` tokens, from which up to
+        `rewind` tokens of one call can be taken back (see `KVCache.rewind`)."""
+        ring = jnp.zeros((batch, window_slots(self.window, rewind), self.head_dim), dtype)
         compressor = indexer = None
         if self.compressor is not None:
-            compressor = self.compressor.empty_state(batch, max_len, dtype)
+            compressor = self.compressor.empty_state(batch, max_len, dtype, rewind)
         if self.indexer is not None:
-            indexer = self.indexer.empty_state(batch, max_len, dtype)
+            indexer = self.indexer.empty_state(batch, max_len, dtype, rewind)
         return LayerCache(ring, compressor, indexer)
 
     def __call__(
@@ -301,12 +302,14 @@ class Attention(eqx.Module):
         kv = self.rope(self.kv_norm(self.wkv(xq, policy=policy)), positions)
         kv = kv_round_trip(kv, self.rope_dim, n)
 
-        # The ring holds position p in slot p % w: the window before the chunk, oldest first.
+        # The ring holds position p in slot p % slots: the window before the chunk, oldest
+        # first.
+        slots = cache.ring.shape[1]
         before = start[:, None] - w + jnp.arange(w, dtype=jnp.int32)[None]
-        prefix = _rows(cache.ring, before % w)
+        prefix = _rows(cache.ring, before % slots)
         i = jnp.arange(t, dtype=jnp.int32)[None]
-        write = (i < count[:, None]) & (i >= count[:, None] - w)
-        slot = jnp.where(write, positions % w, w)  # w: dropped
+        write = (i < count[:, None]) & (i >= count[:, None] - slots)
+        slot = jnp.where(write, positions % slots, slots)  # slots: dropped
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
         ring = set_rows(cache.ring, (rows, slot), kv, policy=policy)
 

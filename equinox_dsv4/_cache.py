@@ -2,11 +2,18 @@
 
 Per layer (`LayerCache`):
 
-- `ring`: the raw K=V of the last `window` positions, position `p` in slot `p % window`;
+- `ring`: the raw K=V of the last positions, position `p` in slot `p % ring_length`;
 - for CSA / HCA layers, the compressor's `CompressorState`: the projected kv and gate (plus slot
-  bias) of the block being filled, for CSA also the `Ca` half of the last complete block (the
-  next entry pools it), and the emitted entries, preallocated to `max_len // ratio`;
+  bias) of the last positions, position `p` in slot `p % slots` (the open block, and for CSA the
+  last complete block too, whose `Ca` half the next entry pools), and the emitted entries, entry
+  `i` in row `i`, preallocated to `max_len // ratio`;
 - for CSA layers, the Lightning Indexer's own `CompressorState` (its entries are the index keys).
+
+Every write goes to the slot or row of its position, and everything is read by position, so a
+cache holds the same values whatever was written past a sequence's position: setting
+`positions` back takes tokens back (`KVCache.rewind`, what speculative decoding needs). Rings
+hold `rewind - 1` slots more than the context needs, so that the tokens taken back did not
+overwrite any the context still reads.
 
 `KVCache` holds, per `LayerStack` of the plan, one `LayerCache` per period position with a
 leading `repeats` axis (1 for a layer on its own), so the cache travels with the weights; plus
@@ -33,18 +40,17 @@ from ._policy import Policy
 
 
 class CompressorState(eqx.Module):
-    """A compressor's running state. `kv` / `gate` rows `0 .. pos % ratio - 1` are the open
-    block's tokens (float32, the gate with its slot bias); `prev_*` (CSA only) the `Ca` half of
-    the last complete block; `entries` the emitted compressed entries, `pos // ratio` of them.
+    """A compressor's running state. `kv` / `gate` (float32, the gate with its slot bias) hold
+    the projections of position `p` in slot `p % slots`, `slots` a multiple of the ratio that
+    covers the open block and (CSA) the block before it; `entries` the emitted compressed
+    entries, `pos // ratio` of them.
 
     In a view of a stacked cache (`LayerCache.join` with a layer), `entries` is the whole
     stack's, `[layers, batch, blocks, head_dim]`, and `layer` the index of this state's layer
     in it; read the layer's entries with `layer_entries`, write them with `write_entries`."""
 
-    kv: Float[Array, "batch ratio width"]
-    gate: Float[Array, "batch ratio width"]
-    prev_kv: Float[Array, "batch ratio head_dim"] | None
-    prev_gate: Float[Array, "batch ratio head_dim"] | None
+    kv: Float[Array, "batch slots width"]
+    gate: Float[Array, "batch slots width"]
     entries: Float[Array, "*layers batch blocks head_dim"]
     layer: Int[Array, ""] | int | None = None
 
@@ -75,19 +81,27 @@ class CompressorState(eqx.Module):
         head_dim: int,
         overlap: bool,
         dtype: DTypeLike,
+        rewind: int = 0,
     ) -> "CompressorState":
         width = (2 if overlap else 1) * head_dim
-
-        def prev():  # distinct buffers: the cache is donated, leaf by leaf
-            return jnp.zeros((batch, ratio, head_dim), jnp.float32) if overlap else None
-
+        slots = ring_slots(ratio, overlap, rewind)
         return cls(
-            kv=jnp.zeros((batch, ratio, width), jnp.float32),
-            gate=jnp.zeros((batch, ratio, width), jnp.float32),
-            prev_kv=prev(),
-            prev_gate=prev(),
+            kv=jnp.zeros((batch, slots, width), jnp.float32),
+            gate=jnp.zeros((batch, slots, width), jnp.float32),
             entries=jnp.zeros((batch, max_len // ratio, head_dim), dtype),
         )
+
+
+def ring_slots(ratio: int, overlap: bool, rewind: int = 0) -> int:
+    """Slots of a compressor's ring: the open block, the one before it for overlapping (CSA)
+    windows, and room for `rewind - 1` more positions, in whole blocks."""
+    return ratio * ((2 if overlap else 1) + -(-max(rewind - 1, 0) // ratio))
+
+
+def window_slots(window: int, rewind: int = 0) -> int:
+    """Slots of an attention layer's ring of raw keys: the window, and room for `rewind - 1`
+    more positions."""
+    return window + max(rewind - 1, 0)
 
 
 class LayerCache(eqx.Module):
@@ -148,11 +162,29 @@ def _index(a: Array, i: Array | int) -> Array:
 
 class KVCache(eqx.Module):
     """The whole model's decoding state (see the module docstring). Build it with
-    `DeepseekV4.init_cache`; `DeepseekV4.decode` returns the updated one."""
+    `DeepseekV4.init_cache`; `DeepseekV4.decode` returns the updated one.
+
+    `rewind` (static): how many of the tokens appended by the last `decode` call `rewind` may
+    take back."""
 
     layers: tuple[tuple[LayerCache, ...], ...]
     positions: Int[Array, " batch"]
     max_len: int = eqx.field(static=True)
+    max_rewind: int = eqx.field(static=True, default=0)
+
+    def rewind(self, n: Int[Array, " batch"]) -> "KVCache":
+        """This cache with the last `n[b]` tokens of sequence `b` taken back: the cache a
+        `decode` of only the tokens before them would have left. `n[b]` may be at most
+        `max_rewind` and at most the tokens the last `decode` call appended to that sequence
+        (a runtime error otherwise, for the first bound; the second is the caller's to keep)."""
+        n = jnp.asarray(n, jnp.int32)
+        bad = (n < 0) | (n > self.max_rewind) | (n > self.positions)
+        n = eqx.error_if(n, jnp.any(bad), f"rewind: n must be in 0 .. {self.max_rewind}")
+        return self.at_positions(self.positions - n)
+
+    def at_positions(self, positions: Int[Array, " batch"]) -> "KVCache":
+        """This cache with `positions` set (unchecked; see `rewind`)."""
+        return eqx.tree_at(lambda c: c.positions, self, positions)
 
 
 def cache_bytes_per_token(config: Config, dtype: DTypeLike = jnp.bfloat16) -> dict[str, float]:
@@ -167,25 +199,30 @@ def cache_bytes_per_token(config: Config, dtype: DTypeLike = jnp.bfloat16) -> di
 
 
 def cache_bytes(
-    config: Config, max_len: int, batch: int = 1, dtype: DTypeLike = jnp.bfloat16
+    config: Config,
+    max_len: int,
+    batch: int = 1,
+    dtype: DTypeLike = jnp.bfloat16,
+    *,
+    rewind: int = 0,
 ) -> dict[str, int]:
     """Total cache bytes for `batch` sequences of `max_len` tokens: the compressed cache of this
-    model (as `init_cache` allocates it) and, for comparison, a plain multi-query cache of the
-    same layers (one K and one V head of `head_dim` per token per layer)."""
+    model (as `init_cache(..., rewind=rewind)` allocates it) and, for comparison, a plain
+    multi-query cache of the same layers (one K and one V head of `head_dim` per token per
+    layer)."""
     item = np.dtype(dtype).itemsize
-    window = config.sliding_window * config.head_dim * item
+    window = window_slots(config.sliding_window, rewind) * config.head_dim * item
     total = 0
     for layer_type in config.layer_types:
         total += window
         if layer_type == SLIDING:
             continue
-        ratio = config.compress_rate_csa if layer_type == CSA else config.compress_rate_hca
-        widths = [config.head_dim] + ([config.index_head_dim] if layer_type == CSA else [])
+        overlap = layer_type == CSA
+        ratio = config.compress_rate_csa if overlap else config.compress_rate_hca
+        widths = [config.head_dim] + ([config.index_head_dim] if overlap else [])
         for d in widths:
-            overlap = layer_type == CSA
-            state = 2 * ratio * (2 if overlap else 1) * d * 4 + (
-                2 * ratio * d * 4 if overlap else 0
-            )
+            # kv and gate rings, float32
+            state = 2 * ring_slots(ratio, overlap, rewind) * (2 if overlap else 1) * d * 4
             total += (max_len // ratio) * d * item + state
     plain = len(config.layer_types) * max_len * 2 * config.head_dim * item
     return {"compressed": batch * total, "plain_mqa": batch * plain}

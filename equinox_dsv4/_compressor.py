@@ -8,9 +8,10 @@ channel, of the gate projection plus a learned per-slot bias (`ape`). The entry 
 RMS-normalised and rotated (compress RoPE) at the position of its block's first token, `i * ratio`.
 
 Projections and pooling run in float32 (as in the official code) and the entry is cast back to
-the input dtype before its norm. Only complete blocks are emitted; the open block waits in the
-`CompressorState`, so a sequence can be fed in chunks of any size (one token at a time included)
-and gives the same entries as in one piece.
+the input dtype before its norm. Only complete blocks are emitted; the open block's (and for CSA
+the last complete block's) projections wait in the `CompressorState`'s ring, each position in
+its own slot, so a sequence can be fed in chunks of any size (one token at a time included),
+and taken back (`KVCache.rewind`), and gives the same entries as in one piece.
 """
 
 import abc
@@ -24,7 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import CompressorState
 from ._config import Config
-from ._layers import Linear, RMSNorm
+from ._layers import Linear, RMSNorm, set_rows
 from ._numerics import index_round_trip, kv_round_trip
 from ._policy import Policy, resolve
 from ._rope import RoPE
@@ -108,14 +109,18 @@ class AbstractCompressor(eqx.Module):
         self,
         kv: Float[Array, "batch n ratio width"],
         gate: Float[Array, "batch n ratio width"],
-        state: CompressorState,
+        before: tuple[Float[Array, "batch ratio width"], Float[Array, "batch ratio width"]],
         first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
         """The kv and gate of the slots each entry pools; `kv[:, j]` is the block with global
-        index `first_block + j`, `state` holds what precedes it."""
+        index `first_block + j`, `before` the kv and gate of the block before it."""
 
-    def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
-        return CompressorState.empty(batch, max_len, self.ratio, self.head_dim, self.overlap, dtype)
+    def empty_state(
+        self, batch: int, max_len: int, dtype: DTypeLike, rewind: int = 0
+    ) -> CompressorState:
+        return CompressorState.empty(
+            batch, max_len, self.ratio, self.head_dim, self.overlap, dtype, rewind
+        )
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], *, policy: Policy | None = None
@@ -156,23 +161,29 @@ class AbstractCompressor(eqx.Module):
         )
 
         open_len = start % m  # tokens of the open block already in `state`
+        first_block = start // m
+        ring_blocks = state.kv.shape[1] // m
+
+        def ring_block(ring, block):  # the block's m slots: contiguous in the ring
+            return _window(ring, (block % ring_blocks) * m, m)
+
         grid = -(-(m + t) // m) * m
         from_state = jnp.arange(grid, dtype=jnp.int32)[None] < open_len[:, None]
 
         # Slices, not row gathers: in a scanned layer, where the state is not a constant,
         # XLA:CPU fused the gathers into the slot concatenation and compiled far larger
         # kernels. Grid rows past the chunk are zeros.
-        def lay_out(old, new):
+        def lay_out(ring, new):
             chunk = _window(jnp.pad(new, ((0, 0), (m, grid - t), (0, 0))), m - open_len, grid)
-            old = jnp.pad(old, ((0, 0), (0, grid - m), (0, 0)))
+            old = jnp.pad(ring_block(ring, first_block), ((0, 0), (0, grid - m), (0, 0)))
             return jnp.where(from_state[..., None], old, chunk)
 
         grid_kv = lay_out(state.kv, kv).reshape(b, grid // m, m, -1)
         grid_gate = lay_out(state.gate, gate).reshape(b, grid // m, m, -1)
-        first_block = start // m
         complete = (open_len + count) // m  # blocks closed by this chunk
 
-        slots_kv, slots_gate = self.slots(grid_kv, grid_gate, state, first_block)
+        before = ring_block(state.kv, first_block - 1), ring_block(state.gate, first_block - 1)
+        slots_kv, slots_gate = self.slots(grid_kv, grid_gate, before, first_block)
         pooled = pool(slots_kv, slots_gate)
         blocks = first_block[:, None] + jnp.arange(grid // m, dtype=jnp.int32)[None]
         entries = self.finish(pooled, blocks * m, state.entries.dtype)
@@ -181,20 +192,16 @@ class AbstractCompressor(eqx.Module):
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], target.shape)
         new_entries = state.write_entries((rows, target), entries, policy=policy)
 
-        # The new open block: grid block `complete` (slots up to open_len + count - 1 hold
-        # tokens). complete * m <= open_len + t < m + t <= grid, and both ends are multiples
-        # of m, so the whole block lies on the grid.
-        new_kv = _window(grid_kv, complete, 1)[:, 0]
-        new_gate = _window(grid_gate, complete, 1)[:, 0]
-        prev_kv, prev_gate = state.prev_kv, state.prev_gate
-        if self.overlap:
-            assert prev_kv is not None and prev_gate is not None
-            d = self.head_dim
-            last = jnp.clip(complete - 1, 0, grid // m - 1)
-            closed = (complete > 0)[:, None, None]
-            prev_kv = jnp.where(closed, _window(grid_kv, last, 1)[:, 0, :, :d], prev_kv)
-            prev_gate = jnp.where(closed, _window(grid_gate, last, 1)[:, 0, :, :d], prev_gate)
-        return CompressorState(new_kv, new_gate, prev_kv, prev_gate, new_entries, state.layer)
+        # The chunk's real tokens into their slots (of the last `slots` only: earlier ones
+        # would be overwritten within the chunk).
+        slots = state.kv.shape[1]
+        i = jnp.arange(t, dtype=jnp.int32)[None]
+        write = (i < count[:, None]) & (i >= count[:, None] - slots)
+        slot = jnp.where(write, positions % slots, slots)  # slots: dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
+        ring_kv = set_rows(state.kv, (rows, slot), kv, policy=policy)
+        ring_gate = set_rows(state.gate, (rows, slot), gate, policy=policy)
+        return CompressorState(ring_kv, ring_gate, new_entries, state.layer)
 
     def finish(
         self,
@@ -221,10 +228,10 @@ class HCACompressor(AbstractCompressor):
         self,
         kv: Float[Array, "batch n ratio width"],
         gate: Float[Array, "batch n ratio width"],
-        state: CompressorState,
+        before: tuple[Float[Array, "batch ratio width"], Float[Array, "batch ratio width"]],
         first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
-        del state, first_block
+        del before, first_block
         return kv, gate
 
 
@@ -241,15 +248,14 @@ class CSACompressor(AbstractCompressor):
         self,
         kv: Float[Array, "batch n ratio width"],
         gate: Float[Array, "batch n ratio width"],
-        state: CompressorState,
+        before: tuple[Float[Array, "batch ratio width"], Float[Array, "batch ratio width"]],
         first_block: Int[Array, " batch"],
     ) -> tuple[Float[Array, "batch n slots head_dim"], Float[Array, "batch n slots head_dim"]]:
-        assert state.prev_kv is not None and state.prev_gate is not None
         d = self.head_dim
-        # Block j's predecessor: the previous grid block, or for j = 0 the state's last block,
-        # or nothing for the sequence's block 0 (gate -inf: zero weight).
-        prev_kv = jnp.concatenate([state.prev_kv[:, None], kv[:, :-1, :, :d]], axis=1)
-        prev_gate = jnp.concatenate([state.prev_gate[:, None], gate[:, :-1, :, :d]], axis=1)
+        # Block j's predecessor: the previous grid block, or for j = 0 the block before the
+        # grid (from the ring), or nothing for the sequence's block 0 (gate -inf: zero weight).
+        prev_kv = jnp.concatenate([before[0][:, None, :, :d], kv[:, :-1, :, :d]], axis=1)
+        prev_gate = jnp.concatenate([before[1][:, None, :, :d], gate[:, :-1, :, :d]], axis=1)
         blocks = first_block[:, None] + jnp.arange(kv.shape[1])[None]
         prev_gate = jnp.where((blocks == 0)[:, :, None, None], -jnp.inf, prev_gate)
         prev_kv = jnp.where((blocks == 0)[:, :, None, None], 0.0, prev_kv)

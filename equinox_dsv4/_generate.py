@@ -1,13 +1,13 @@
-"""Sampling and generation with the compressed KV cache.
+"""Generation with the compressed KV cache.
 
 One jitted prefill per prompt-batch shape, then one jitted decode step (fixed shapes, the cache
-donated) per new token. Prompts of different lengths share a batch: each sequence keeps its own
-position in the cache (no left padding, which would shift the position-based compression
-windows), and a finished sequence stops advancing.
+donated) per new token, or per speculative step (`_speculative.py`). Prompts of different
+lengths share a batch: each sequence keeps its own position in the cache (no left padding,
+which would shift the position-based compression windows), and a finished sequence stops
+advancing.
 """
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -18,65 +18,12 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._cache import KVCache
-from ._forms import blocked_argmax
 from ._model import DeepseekV4, _check_ids
-from ._parallel import committed, mesh_axis
+from ._parallel import committed
 from ._policy import Policy, resolve
+from ._sampling import Sampling, sample
 from ._sharding import shard_cache
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How to pick the next token: greedy when `temperature == 0`, otherwise from the softmax of
-    `logits / temperature` restricted to the `top_k` most likely tokens (0: all) and to the
-    smallest set whose probability reaches `top_p` (nucleus sampling)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def sample(
-    logits: Float[Array, "batch vocab"],
-    key: PRNGKeyArray,
-    sampling: Sampling,
-    *,
-    policy: Policy | None = None,
-) -> Int[Array, " batch"]:
-    """One token per row (see `Sampling`); greedy takes the first largest logit (NaN counting
-    as largest), in the form `policy` says (default: the one for `logits`' platform)."""
-    if sampling.temperature == 0:
-        # The blocked form needs the whole vocabulary on each device, and int32 keys (no
-        # float64 logits).
-        policy = resolve(policy, logits)
-        if policy.blocked_argmax and mesh_axis("tensor") == 1 and logits.dtype.itemsize <= 4:
-            return blocked_argmax(logits)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / sampling.temperature
-    if 0 < sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1:
-        order = jnp.argsort(-logits, axis=-1)
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
-        # Keep a token if the mass of the tokens before it is below top_p (the first always).
-        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = before < sampling.top_p
-        keep = (
-            jnp.zeros_like(keep_sorted)
-            .at[jnp.arange(logits.shape[0])[:, None], order]
-            .set(keep_sorted)
-        )
-        logits = jnp.where(keep, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+from ._speculative import generate_speculative
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -169,6 +116,8 @@ def generate(
     callback: Callable[[np.ndarray, np.ndarray], None] | None = None,
     prefill_chunk: int = 512,
     policy: Policy | None = None,
+    speculative: bool = False,
+    stats: dict | None = None,
 ) -> list[list[int]]:
     """Generate continuations of a batch of prompts.
 
@@ -183,10 +132,19 @@ def generate(
     - `max_len`: cache length (default: the longest prompt plus `max_new_tokens`, rounded up to
       a multiple of 64 so that repeated calls reuse compiled steps); a sequence also stops when
       prompt plus generated tokens reach it.
-    - `callback`: called after every step with the new tokens `[batch]` and which rows are
-      still running (for streaming).
+    - `callback`: called with every new token, as `callback(tokens, running)`: `tokens[b]`
+      is row `b`'s new token where `running[b]`; a row that stops gets its stop token with
+      `running[b]` False (for streaming). A speculative step gives a row up to
+      `num_nextn_predict_layers + 1` tokens: one call per token column, `running[b]` False
+      for a row with fewer.
     - `prefill_chunk`: prompts are run in chunks of this many tokens (see `prefill`).
     - `policy`: the execution `Policy` (default: the one for the model's platform).
+    - `speculative`: draft with the model's MTP blocks and verify the drafts with one main
+      model call per step (see `_speculative.py`): the same tokens when greedy, the same
+      distribution when sampling, in fewer main-model calls where drafts are accepted.
+    - `stats`: a dict to fill with `steps` (main-model calls after the prefill), `tokens`
+      (generated), and when speculative `drafted` / `accepted` (draft tokens of running
+      rows, and how many were accepted) and `histogram` (steps by accepted drafts).
 
     **Returns:** the generated ids per prompt, without the prompt.
     """
@@ -196,6 +154,11 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if sampling.temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    if speculative and not model.mtp:
+        raise ValueError(
+            "speculative=True drafts with the MTP blocks, and this model has none "
+            "(num_nextn_predict_layers == 0, or loaded without them)"
+        )
     key = jax.random.key(0) if key is None else key
     longest = max(len(p) for p in prompts)
     if max_len is None:
@@ -217,12 +180,29 @@ def generate(
     if mesh is None:
         # Committed, as a loaded model is: a built and a loaded model share compiled steps.
         model = committed(model)
-    cache = model.init_cache(batch, max_len)
-    key, prefill_key = jax.random.split(key)
     policy = resolve(policy, model.embed.weight)
-    if mesh is not None:
-        cache = shard_cache(cache, mesh)
+    if not speculative:
+        cache = model.init_cache(batch, max_len)
+        if mesh is not None:
+            cache = shard_cache(cache, mesh)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        if speculative:
+            return generate_speculative(
+                model,
+                ids,
+                lengths,
+                max_new_tokens=max_new_tokens,
+                max_len=max_len,
+                sampling=sampling,
+                key=key,
+                stops=stops,
+                callback=callback,
+                prefill_chunk_size=prefill_chunk,
+                policy=policy,
+                place=(lambda c: c) if mesh is None else (lambda c: shard_cache(c, mesh)),
+                stats=stats,
+            )
+        key, prefill_key = jax.random.split(key)
         # Unchecked (no host callback, so its programs are cached across processes): the
         # prompts fit `max_len` (checked above) in a fresh cache, and `_decode_loop` stops each
         # row before the cache is full.
@@ -249,6 +229,7 @@ def generate(
             max_len,
             callback,
             policy,
+            stats,
         )
 
 
@@ -258,12 +239,24 @@ def _mesh_of(model: DeepseekV4) -> Mesh | None:
 
 
 def _decode_loop(
-    model, tokens, lengths, cache, key, sampling, stops, max_new_tokens, max_len, callback, policy
+    model,
+    tokens,
+    lengths,
+    cache,
+    key,
+    sampling,
+    stops,
+    max_new_tokens,
+    max_len,
+    callback,
+    policy,
+    stats,
 ):
     batch = len(lengths)
     out: list[list[int]] = [[] for _ in range(batch)]
     running = np.ones(batch, bool)
     position = lengths.copy()
+    steps = 0
     for step in range(max_new_tokens):
         new = np.asarray(tokens)
         stopped = np.isin(new, stops)
@@ -282,6 +275,9 @@ def _decode_loop(
             model, jnp.asarray(new), active, cache, sub, sampling, policy
         )
         position += running
+        steps += 1
+    if stats is not None:
+        stats.update(steps=steps, tokens=sum(len(o) for o in out))
     return out
 
 

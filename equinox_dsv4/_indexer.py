@@ -182,5 +182,7 @@ class LightningIndexer(eqx.Module):
         positions = start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]
         return self.select(x, qr, state.layer_entries, positions, policy=policy), state
 
-    def empty_state(self, batch: int, max_len: int, dtype: DTypeLike) -> CompressorState:
-        return self.compressor.empty_state(batch, max_len, dtype)
+    def empty_state(
+        self, batch: int, max_len: int, dtype: DTypeLike, rewind: int = 0
+    ) -> CompressorState:
+        return self.compressor.empty_state(batch, max_len, dtype, rewind)

@@ -1,5 +1,5 @@
 """The DeepSeek-V4 model: embedding, `hc_mult` residual streams, the planned layer stack, the
-stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) block."""
+stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) blocks."""
 
 import equinox as eqx
 import jax
@@ -8,13 +8,12 @@ import jax.random as jr
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ._block import Block
 from ._cache import KVCache
-from ._config import MOE, SLIDING, Config
+from ._config import Config
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
 from ._moe import RouterStats
-from ._numerics import act_quant
+from ._mtp import MTPBlock as MTPBlock, check_mtp_depth, mtp_decode
 from ._parallel import constrain_batch
 from ._plan import LayerPlan
 from ._policy import Policy, resolve
@@ -23,72 +22,6 @@ from ._stack import REMAT_POLICIES as REMAT_POLICIES, LayerStack as LayerStack
 
 # Per plan segment, per period position: the layers' stats, stacked along `repeats`.
 Stats = tuple[tuple[RouterStats, ...], ...]
-
-
-class MTPBlock(eqx.Module):
-    """One multi-token-prediction block (DeepSeek-V3 style, as in DeepSeek-V4's release).
-
-    From the main model's final streams `X` and the *next* tokens `ids'` (so position `t` predicts
-    token `t + 2`): `X' = e_proj(enorm(embed(ids')))` broadcast over streams `+ h_proj(hnorm(X))`,
-    then a sliding-only, learned-routing decoder block, then its own stream collapse and norm,
-    then the shared head. The embedding and head are the main model's.
-    """
-
-    block: Block
-    e_proj: Linear
-    h_proj: Linear
-    enorm: RMSNorm
-    hnorm: RMSNorm
-    norm: RMSNorm
-    hc_head: HyperHead
-
-    def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
-        b_key, e_key, h_key, hc_key = jr.split(key, 4)
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.block = Block(config, SLIDING, MOE, key=b_key, dtype=dtype)
-        self.e_proj = Linear(d, d, ("embed_out", "embed"), key=e_key, dtype=dtype)
-        self.h_proj = Linear(d, d, ("embed_out", "embed"), key=h_key, dtype=dtype)
-        self.enorm = RMSNorm(d, eps)
-        self.hnorm = RMSNorm(d, eps)
-        self.norm = RMSNorm(d, eps)
-        self.hc_head = HyperHead(config, key=hc_key)
-
-    def __call__(
-        self,
-        streams: Float[Array, "batch seq streams d_model"],
-        next_ids: Int[Array, "batch seq"],
-        embed: Embedding,
-    ) -> tuple[Float[Array, "batch seq d_model"], Float[Array, "batch seq streams d_model"]]:
-        """**Arguments:**
-
-        - `streams`: the main model's final streams (before its stream collapse).
-        - `next_ids`: the tokens one step ahead of the ones that produced `streams`.
-        - `embed`: the main model's embedding.
-
-        **Returns:** `(h, streams')`: the normed hidden state for the head and this block's
-        output streams (the input of a further MTP depth).
-        """
-        h, x, _ = self.with_stats(streams, next_ids, embed)
-        return h, x
-
-    def with_stats(
-        self,
-        streams: Float[Array, "batch seq streams d_model"],
-        next_ids: Int[Array, "batch seq"],
-        embed: Embedding,
-        *,
-        policy: Policy | None = None,
-    ) -> tuple[
-        Float[Array, "batch seq d_model"], Float[Array, "batch seq streams d_model"], RouterStats
-    ]:
-        """As `__call__`, plus the block's `RouterStats`; `policy` as for
-        `DeepseekV4.forward`."""
-        policy = resolve(policy, streams)
-        n = self.block.attn.numerics
-        e = self.e_proj(act_quant(self.enorm(embed(next_ids)), n), policy=policy)
-        x = e[:, :, None, :] + self.h_proj(act_quant(self.hnorm(streams), n), policy=policy)
-        x, stats = self.block.with_stats(x, next_ids, policy=policy)
-        return self.norm(self.hc_head(x)), x, stats
 
 
 class DeepseekV4(eqx.Module):
@@ -193,7 +126,9 @@ class DeepseekV4(eqx.Module):
         x, _, stats = self._forward(input_ids, cache, count, policy=policy, remat=remat)
         return x, stats
 
-    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
+    def init_cache(
+        self, batch: int, max_len: int, dtype: DTypeLike | None = None, *, rewind: int = 0
+    ) -> KVCache:
         """An empty cache for `batch` sequences of up to `max_len` tokens each.
 
         **Arguments:**
@@ -201,12 +136,16 @@ class DeepseekV4(eqx.Module):
         - `batch`, `max_len`: the fixed shape of every decode call with this cache.
         - `dtype`: dtype of the cached keys and entries (default: the parameters'); compressor
           buffers are float32.
+        - `rewind`: how many tokens of one `decode` call `KVCache.rewind` may take back
+          (speculative decoding); each ring holds `rewind - 1` slots more.
         """
         if max_len <= 0 or batch <= 0:
             raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
+        if rewind < 0:
+            raise ValueError(f"rewind must be >= 0, got {rewind}")
         dtype = self.embed.weight.dtype if dtype is None else dtype
-        layers = tuple(layer.init_cache(batch, max_len, dtype) for layer in self.layers)
-        return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len)
+        layers = tuple(layer.init_cache(batch, max_len, dtype, rewind) for layer in self.layers)
+        return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len, rewind)
 
     def decode(
         self,
@@ -261,16 +200,7 @@ class DeepseekV4(eqx.Module):
         b, t = input_ids.shape
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
         if checked:
-            bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
-            # Checked on a scalar, so that the check does not pull the (sharded) positions
-            # through a single-device conditional. Only here: a forward from position 0 cannot
-            # overflow.
-            ok = eqx.error_if(
-                jnp.zeros((), jnp.int32),
-                jnp.any(bad),
-                "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
-            )
-            cache = eqx.tree_at(lambda c: c.positions, cache, cache.positions + ok)
+            cache = _checked(cache, count, t)
         x, cache, _ = self._forward(input_ids, cache, count, policy=policy, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
@@ -307,7 +237,8 @@ class DeepseekV4(eqx.Module):
             x = constrain_batch(x)
             new.append(layer_cache)
             stats.append(s)
-        return x, KVCache(tuple(new), start + count, cache.max_len), tuple(stats)
+        new_cache = KVCache(tuple(new), start + count, cache.max_len, cache.max_rewind)
+        return x, new_cache, tuple(stats)
 
     def logits(
         self,
@@ -333,6 +264,57 @@ class DeepseekV4(eqx.Module):
         _check_ids(next_ids)
         return _jitted_mtp_logits(self, streams, next_ids, resolve(policy, streams))
 
+    def init_mtp_cache(
+        self, batch: int, max_len: int, dtype: DTypeLike | None = None, *, rewind: int = 0
+    ) -> tuple[KVCache, ...]:
+        """Empty caches of the MTP blocks, one per depth (arguments as for `init_cache`)."""
+        if max_len <= 0 or batch <= 0:
+            raise ValueError(f"batch and max_len must be positive, got {batch}, {max_len}")
+        dtype = self.embed.weight.dtype if dtype is None else dtype
+        return tuple(block.init_cache(batch, max_len, dtype, rewind) for block in self.mtp)
+
+    def mtp_decode(
+        self,
+        streams: Float[Array, "batch chunk streams d_model"],
+        next_ids: Int[Array, "batch chunk"],
+        cache: KVCache,
+        num_tokens: Int[Array, " batch"] | None = None,
+        *,
+        depth: int = 0,
+        policy: Policy | None = None,
+    ) -> tuple[
+        Float[Array, "batch chunk vocab"], Float[Array, "batch chunk streams d_model"], KVCache
+    ]:
+        """Append a chunk of positions to MTP depth `depth`'s cache (see `init_mtp_cache`) and
+        return their logits, as `decode` does for the main model.
+
+        **Arguments:**
+
+        - `streams`: the input streams at positions `cache.positions[b] ...`: the main model's
+          final streams for depth 0, the previous depth's output streams otherwise.
+        - `next_ids`: token `t + depth + 1` for position `t`.
+        - `cache`: this depth's cache; `num_tokens`, `policy`: as for `decode`.
+        - `depth`: which MTP block (0: the first).
+
+        **Returns:** `(logits, streams', cache)`: float32 logits (position `t` predicts token
+        `t + depth + 2`), this depth's output streams and the updated cache. Appending past
+        `max_len` is a runtime error.
+        """
+        check_mtp_depth(len(self.mtp), depth)
+        _check_ids(next_ids)
+        policy = resolve(policy, self.embed.weight)
+        return _jitted_mtp_decode(self, streams, next_ids, cache, num_tokens, depth, policy)
+
+    def _mtp_decode(self, streams, next_ids, cache, num_tokens, depth, policy, checked=True):
+        b, t = next_ids.shape
+        count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
+        if checked:
+            cache = _checked(cache, count, t)
+        h, x, cache = mtp_decode(
+            self.mtp[depth], self.embed, streams, next_ids, cache, count, policy
+        )
+        return self.head(h, dtype=jnp.float32, policy=policy), x, cache
+
     def _mtp_logits(
         self,
         streams: Float[Array, "batch seq streams d_model"],
@@ -355,6 +337,19 @@ _jitted_call = eqx.filter_jit(
 )
 _jitted_mtp_logits = eqx.filter_jit(DeepseekV4._mtp_logits)
 _jitted_decode = eqx.filter_jit(DeepseekV4._decode)
+_jitted_mtp_decode = eqx.filter_jit(DeepseekV4._mtp_decode)
+
+
+def _checked(cache: KVCache, count: Array, t: int) -> KVCache:
+    bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
+    # Checked on a scalar, so that the check does not pull the (sharded) positions through a
+    # single-device conditional. Only in decoding: a forward from position 0 cannot overflow.
+    ok = eqx.error_if(
+        jnp.zeros((), jnp.int32),
+        jnp.any(bad),
+        "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
+    )
+    return cache.at_positions(cache.positions + ok)
 
 
 def _check_ids(ids: Array) -> None:

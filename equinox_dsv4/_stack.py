@@ -65,12 +65,15 @@ class LayerStack(eqx.Module):
         )
         self.repeats = segment.repeats
 
-    def init_cache(self, batch: int, max_len: int, dtype: DTypeLike) -> tuple[LayerCache, ...]:
-        """Empty caches of the stack, stacked like its blocks."""
+    def init_cache(
+        self, batch: int, max_len: int, dtype: DTypeLike, rewind: int = 0
+    ) -> tuple[LayerCache, ...]:
+        """Empty caches of the stack, stacked like its blocks (`rewind`: see
+        `KVCache.rewind`)."""
         return tuple(
             jax.tree.map(
                 lambda a: jnp.broadcast_to(a, (self.repeats, *a.shape)),
-                block.attn.init_cache(batch, max_len, dtype),
+                block.attn.init_cache(batch, max_len, dtype, rewind),
             )
             for block in self.blocks
         )

@@ -8,8 +8,8 @@ from ._experts import Experts as Experts
 from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead
 from ._indexer import LightningIndexer as LightningIndexer
 from ._layers import Embedding as Embedding, Linear as Linear, RMSNorm as RMSNorm
-from ._model import MTPBlock as MTPBlock
 from ._moe import MoE as MoE, SharedExpert as SharedExpert
+from ._mtp import MTPBlock as MTPBlock
 from ._rope import RoPE as RoPE
 
 

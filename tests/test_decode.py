@@ -134,7 +134,8 @@ def test_cache_is_stacked_like_the_layers(setups):
     assert hca.compressor.entries.shape == (2, 3, 64 // 8, 32)
     assert csa.compressor.entries.shape == (2, 3, 64 // 4, 32)
     assert csa.indexer.entries.shape == (2, 3, 64 // 4, 16)
-    assert csa.compressor.prev_kv.shape == (2, 3, 4, 32)
+    assert csa.compressor.kv.shape == (2, 3, 8, 64)  # two blocks of Ca | Cb
+    assert hca.compressor.kv.shape == (2, 3, 8, 32)
     assert cache.layers[0][0].compressor is None  # sliding-only
 
 
