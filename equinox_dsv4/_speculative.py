@@ -184,8 +184,7 @@ def first_drafts(
     return draft(model, streams[:, None], ones, first[:, None], state, key, sampling, policy)
 
 
-@eqx.filter_jit(donate="all-except-first")
-def step(
+def step_fn(
     model: DeepseekV4,
     pending: Int[Array, " batch"],
     active: Int[Array, " batch"],
@@ -211,6 +210,9 @@ def step(
     counts = active * (accepted + 1)
     cache = cache.at_positions(start + counts)
     return tokens, counts, cache, draft(model, x, counts, tokens, state, d_key, sampling, policy)
+
+
+step = eqx.filter_jit(step_fn, donate="all-except-first")
 
 
 def generate_speculative(

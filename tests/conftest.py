@@ -72,6 +72,7 @@ _FIRST = (
     "test_convert.py",
     "test_quantized.py",
     "test_numerics.py",
+    "test_speculative.py",
 )
 # Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
 # lock) run on one worker; every other test goes to whichever worker is free.

@@ -1,0 +1,302 @@
+"""Speculative decoding with the MTP blocks: rewinding the positional caches gives the cache of
+the tokens kept, the cached MTP path equals its full forward, greedy speculative generation
+equals plain greedy generation token for token, and speculative sampling draws from the same
+distribution as plain sampling."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from hf_reference import C, H, S, abstract, random_fill, tiny_config
+
+import equinox_dsv4 as ed
+from equinox_dsv4 import _speculative
+
+
+# The two tiny configs of test_decode.py, with MTP blocks: one (flash_like) and two chained
+# (pro_like). eos off: generation runs its full length.
+CONFIGS = {
+    "flash_like": tiny_config(
+        layer_types=(S, C, H, C, H),
+        num_hash_layers=1,
+        scan_min_repeats=2,
+        num_nextn_predict_layers=1,
+        eos_token_id=None,
+    ),
+    "pro_like": tiny_config(
+        layer_types=(H, C, C, C, H),
+        num_hash_layers=1,
+        hc_mult=2,
+        rope_scaling=None,
+        compress_rate_hca=16,
+        sliding_window=16,
+        index_topk=5,
+        num_nextn_predict_layers=2,
+        eos_token_id=None,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        name: random_fill(abstract(ed.DeepseekV4, config), seed=i)
+        for i, (name, config) in enumerate(CONFIGS.items())
+    }
+
+
+@eqx.filter_jit
+def _decode(model, ids, cache, num_tokens):
+    return model.decode(ids, cache, num_tokens)
+
+
+def _ratios(model):
+    # Per plan segment, per period position: (ratio, overlapping) of its compressor, or None.
+    out = []
+    for stack in model.layers:
+        row = []
+        for block in stack.blocks:
+            c = block.attn.compressor
+            row.append(None if c is None else (c.ratio, c.overlap))
+        out.append(row)
+    return out
+
+
+def _live(model, cache: ed.KVCache) -> list[np.ndarray]:
+    """What a cache's next decode can read, per sequence: the window's raw keys, the
+    compressor rings' slots of the open block (and for CSA the block before), the emitted
+    entries and index keys, all by position."""
+    out = []
+    w = model.config.sliding_window
+    positions = np.asarray(cache.positions)
+    for ratios, layers in zip(_ratios(model), cache.layers, strict=True):
+        for ratio, layer in zip(ratios, layers, strict=True):
+            for b, p in enumerate(positions):
+                ring = np.asarray(layer.ring[:, b])
+                keep = np.arange(max(0, p - w + 1), p)
+                out.append(ring[:, keep % ring.shape[1]])
+                if ratio is None:
+                    continue
+                m, overlap = ratio
+                first = max(0, (p // m - (1 if overlap else 0)) * m)
+                for state in (layer.compressor, layer.indexer):
+                    if state is None:
+                        continue
+                    slots = np.arange(first, p) % state.kv.shape[2]
+                    out.append(np.asarray(state.kv[:, b])[:, slots])
+                    out.append(np.asarray(state.gate[:, b])[:, slots])
+                    out.append(np.asarray(state.entries[:, b, : p // m]))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_rewind_gives_the_cache_of_the_kept_tokens(models, name):
+    # Chunks of 1..4 tokens, then up to 3 of them taken back, per sequence, against one token
+    # at a time of only the kept ones: through the window's wrap and many CSA and HCA block
+    # closes (window 8 or 16, ratios 4 and 8 or 16, 60 kept positions).
+    model = models[name]
+    rng = np.random.default_rng(3)
+    rewind, length = 3, 72
+    spec = model.init_cache(2, length, rewind=rewind)
+    plain = model.init_cache(2, length)
+    vocab = model.config.vocab_size
+    while int(np.min(spec.positions)) < 60:
+        chunk = int(rng.integers(1, 5))
+        ids = rng.integers(0, vocab, (2, chunk))
+        count = rng.integers(1, chunk + 1, 2)
+        back = np.array([rng.integers(0, min(c, rewind) + 1) for c in count])
+        logits, spec = _decode(model, jnp.asarray(ids), spec, jnp.asarray(count, jnp.int32))
+        spec = spec.rewind(jnp.asarray(back, jnp.int32))
+        kept = count - back
+        for i in range(int(kept.max())):
+            one, plain = _decode(
+                model, jnp.asarray(ids[:, i : i + 1]), plain, jnp.asarray(kept > i, jnp.int32)
+            )
+            for b in np.flatnonzero(kept > i):
+                np.testing.assert_allclose(logits[b, i], one[b, 0], atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(spec.positions, plain.positions)
+        for a, b in zip(_live(model, spec), _live(model, plain), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rewind_is_bounded(models):
+    model = models["flash_like"]
+    cache = model.init_cache(1, 16, rewind=2)
+    _, cache = _decode(model, jnp.zeros((1, 3), jnp.int32), cache, jnp.asarray([3], jnp.int32))
+    assert int(cache.rewind(jnp.asarray([2], jnp.int32)).positions[0]) == 1
+    with pytest.raises(Exception, match="rewind"):
+        jax.block_until_ready(cache.rewind(jnp.asarray([3], jnp.int32)).positions)
+    with pytest.raises(ValueError, match="rewind must be >= 0"):
+        model.init_cache(1, 16, rewind=-1)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_cached_mtp_equals_its_full_forward(models, name):
+    # Every depth: its full forward from position 0 (depth j fed the tokens j + 1 ahead and the
+    # previous depth's output streams) against chunks appended to its cache.
+    model = models[name]
+    rng = np.random.default_rng(4)
+    n = 40
+    ids = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, n + 2)), jnp.int32)
+    streams = model.streams(ids[:, :n])
+    caches = model.init_mtp_cache(2, 48)
+    for depth, block in enumerate(model.mtp):
+        ahead = ids[:, depth + 1 : depth + 1 + n]
+        h, out = eqx.filter_jit(block)(streams, ahead, model.embed)
+        full = model.head(h, dtype=jnp.float32)
+        cache, got, got_streams, s = caches[depth], [], [], 0
+        for chunk in (5, 1, 1, 8, 3, 16, 6):
+            logits, o, cache = model.mtp_decode(
+                streams[:, s : s + chunk], ahead[:, s : s + chunk], cache, depth=depth
+            )
+            got.append(logits)
+            got_streams.append(o)
+            s += chunk
+        assert s == n
+        np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(jnp.concatenate(got_streams, 1), out, atol=1e-5, rtol=1e-5)
+        streams = out
+    with pytest.raises(ValueError, match="depth must be in"):
+        model.mtp_decode(streams[:, :1], ids[:, :1], caches[0], depth=len(model.mtp))
+
+
+def _few_tokens(model, keep: int = 4):
+    # The head shrunk but for `keep` rows: every greedy choice, the main model's and the MTP
+    # blocks' (which share the head), falls among `keep` tokens, so drafts are often accepted
+    # and every number of accepted drafts occurs.
+    scale = jnp.where(jnp.arange(model.config.vocab_size) < keep, 1.0, 0.05)[:, None]
+    return eqx.tree_at(lambda m: m.head.weight, model, model.head.weight * scale)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
+    # Prompts of 1..40 tokens in one batch, 64 new tokens each: past the window and many block
+    # closes. With random weights drafts are almost always rejected; with the shrunk head they
+    # are accepted (6-18% here), every number of them. The speculative step is traced once.
+    step = eqx.filter_jit(
+        eqx.debug.assert_max_traces(_speculative.step_fn, max_traces=1),
+        donate="all-except-first",
+    )
+    monkeypatch.setattr(_speculative, "step", step)
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, CONFIGS[name].vocab_size, n)) for n in range(1, 41)]
+    depth = CONFIGS[name].num_nextn_predict_layers
+    for model, accepting in ((models[name], False), (_few_tokens(models[name]), True)):
+        plain = ed.generate(model, prompts, max_new_tokens=64)
+        stats = {}
+        spec = ed.generate(model, prompts, max_new_tokens=64, speculative=True, stats=stats)
+        for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
+            assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
+        assert stats["tokens"] == 40 * 64
+        assert sum(stats["histogram"]) * depth == stats["drafted"]
+        if accepting:
+            # Every number of accepted drafts occurs (for pro_like: the second depth's too).
+            assert all(count > 0 for count in stats["histogram"]), stats
+
+
+def test_stops_and_limits_as_plain(models):
+    model = _few_tokens(models["pro_like"])
+    prompts = [[5, 6, 7], [1], [9, 9, 9, 9, 9, 9]]
+    free = ed.generate(model, prompts, max_new_tokens=20)
+    stop = free[0][6]
+    for kwargs in ({"stop_tokens": [stop], "max_len": 12}, {"max_new_tokens": 3}):
+        kwargs = {"max_new_tokens": 20, **kwargs}
+        seen = []
+        plain = ed.generate(model, prompts, **kwargs)
+        spec = ed.generate(
+            model,
+            prompts,
+            speculative=True,
+            callback=lambda t, r, seen=seen: seen.append((t.copy(), r.copy())),
+            **kwargs,
+        )
+        assert spec == plain, kwargs
+        streamed = [[int(t[b]) for t, r in seen if r[b]] for b in range(3)]
+        assert streamed == spec
+    with pytest.raises(ValueError, match="has none"):
+        ed.generate(
+            eqx.tree_at(lambda m: m.mtp, model, ()), [[1]], max_new_tokens=2, speculative=True
+        )
+
+
+def test_accept_drafts_by_hand():
+    key = jax.random.key(0)
+    # Greedy: accepted while the draft is the target's argmax; then the target's token.
+    logits = jnp.log(jnp.asarray([[[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]]] * 3))
+    drafts = jnp.asarray([[1, 0], [1, 2], [0, 0]], jnp.int32)
+    accepted, tokens = ed.accept_drafts(logits, drafts, None, key, ed.Sampling())
+    np.testing.assert_array_equal(accepted, [2, 1, 0])
+    np.testing.assert_array_equal(tokens, [[1, 0, 2]] * 3)
+    # Sampling: a draft drawn from the target itself is always accepted; one from a
+    # distribution the target gives no mass is always rejected and replaced from the target.
+    s = ed.Sampling(temperature=1.0)
+    p = jax.nn.softmax(logits[:1, :2], axis=-1)
+    keys = jax.random.split(key, 200)
+    same = jax.vmap(lambda k: ed.accept_drafts(logits[:1], drafts[:1], p, k, s)[0])(keys)
+    assert (np.asarray(same) == 2).all()
+    never = jnp.asarray([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    draft = jnp.asarray([[2, 0]], jnp.int32)
+    zero = jnp.log(jnp.asarray([[[0.5, 0.5, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]]]))
+    out = jax.vmap(lambda k: ed.accept_drafts(zero, draft, never, k, s))(keys)
+    assert (np.asarray(out[0]) == 0).all()
+    replaced = np.asarray(out[1])[:, 0, 0]
+    assert set(replaced) == {0, 1} and 0.35 < (replaced == 0).mean() < 0.65
+
+
+def test_speculative_sampling_draws_the_plain_distribution():
+    # Two chained MTP blocks, a vocabulary of 8 and 6000 copies of one prompt: the first two
+    # generated tokens' joint frequencies against the exact plain-sampling distribution (the
+    # model's own softmax at each step, after temperature, top-k and top-p), by a chi-square
+    # test at level 1e-3. Its power against the distribution a sampler that always accepted
+    # the drafts would give is computed below and required to be above 0.99 (made to accept
+    # too often, the sampler failed it: p = 0).
+    config = dataclasses.replace(CONFIGS["pro_like"], vocab_size=8)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=11)
+    s = ed.Sampling(temperature=1.3, top_k=7, top_p=0.97)
+    prompt = [3, 1, 4, 1, 5]
+    n = 6000
+
+    def probs(logits):
+        return np.asarray(jax.nn.softmax(ed._sampling.filtered_logits(logits, s), axis=-1))
+
+    seqs = jnp.asarray([prompt + [x] for x in range(8)], jnp.int32)
+    first = probs(eqx.filter_jit(model)(seqs[:1, :-1])[:, -1])[0]
+    second = probs(eqx.filter_jit(model)(seqs)[:, -1])  # [x1, x2]
+    exact = first[:, None] * second
+    # What always accepting the MTP's draft would give: x2 from the MTP's distribution.
+    streams = model.streams(seqs)
+    mtp = model.mtp_logits(streams[:, -2:-1], seqs[:, -1:])[:, 0]
+    wrong = first[:, None] * probs(mtp)
+
+    out = ed.generate(
+        model,
+        [prompt] * n,
+        max_new_tokens=2,
+        sampling=s,
+        key=jax.random.key(1),
+        speculative=True,
+    )
+    counts = np.zeros((8, 8))
+    for x1, x2 in out:
+        counts[x1, x2] += 1
+    # Tokens the filters exclude never occur; the other cells expected below 5 are pooled.
+    assert counts[exact == 0].sum() == 0
+    pooled = (exact > 0) & (exact * n < 5)
+    kept = exact * n >= 5
+
+    def cells(x):
+        return np.append(x[kept], x[pooled].sum()) if pooled.any() else x[kept]
+
+    observed, expected, alternative = cells(counts), cells(exact) * n, cells(wrong) * n
+    df = len(observed) - 1
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    p_value = scipy.stats.chi2.sf(chi2, df)
+    critical = scipy.stats.chi2.isf(1e-3, df)
+    noncentrality = ((alternative - expected) ** 2 / expected).sum()
+    power = scipy.stats.ncx2.sf(critical, df, noncentrality)
+    assert power > 0.99, power
+    assert p_value > 1e-3, (chi2, df, p_value)
