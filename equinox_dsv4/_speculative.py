@@ -193,11 +193,13 @@ def step_fn(
     key: PRNGKeyArray,
     sampling: Sampling,
     policy: Policy,
-) -> tuple[Int[Array, "batch depth_plus_one"], Int[Array, " batch"], KVCache, Drafts]:
+) -> tuple[
+    Int[Array, "batch depth_plus_one"], Int[Array, " batch"], Int[Array, " batch"], KVCache, Drafts
+]:
     """One speculative step: verify `[pending, drafts]` of each active row, keep what is
-    accepted, draft again. **Returns:** `(tokens, counts, cache, drafts)`: row `b`'s new tokens
-    are `tokens[b, :counts[b]]` (`counts[b] = 0` for an idle row), the last of them is the next
-    step's `pending` (not yet in the cache)."""
+    accepted, draft again. **Returns:** `(tokens, counts, pending, cache, drafts)`: row `b`'s
+    new tokens are `tokens[b, :counts[b]]` (`counts[b] = 0` for an idle row), the last of them
+    the next step's `pending` (not yet in the cache)."""
     n = len(model.mtp)
     ids = jnp.concatenate([pending[:, None], state.tokens], axis=1)
     start = cache.positions
@@ -209,7 +211,10 @@ def step_fn(
     )
     counts = active * (accepted + 1)
     cache = cache.at_positions(start + counts)
-    return tokens, counts, cache, draft(model, x, counts, tokens, state, d_key, sampling, policy)
+    last = jnp.take_along_axis(tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    pending = jnp.where(active > 0, last, pending)
+    state = draft(model, x, counts, tokens, state, d_key, sampling, policy)
+    return tokens, counts, pending, cache, state
 
 
 step = eqx.filter_jit(step_fn, donate="all-except-first")
@@ -268,27 +273,28 @@ def generate_speculative(
     state = first_drafts(model, last_streams, first, state, draft_key, sampling, policy)
 
     out: list[list[int]] = [[] for _ in range(batch)]
+    produced = np.zeros(batch, np.int64)
     # As one-token decoding: the first token always, then while prompt + output < max_len.
     limit = np.minimum(max_new_tokens, np.maximum(max_len - lengths, 1))
     running = np.ones(batch, bool)
     counters = {"steps": 0, "drafted": 0, "accepted": 0, "histogram": [0] * (depth + 1)}
 
     def take(tokens: np.ndarray, has: np.ndarray) -> None:
-        nonlocal running
         stopped = has & np.isin(tokens, stops)
-        for b in np.flatnonzero(has & ~stopped):
+        kept = has & ~stopped
+        for b in np.flatnonzero(kept):
             out[b].append(int(tokens[b]))
+        produced[kept] += 1
         if callback is not None:
-            callback(tokens, has & ~stopped)
-        running &= ~stopped
-        running &= np.array([len(o) for o in out]) < limit
+            callback(tokens, kept)
+        running[stopped | (produced >= limit)] = False
 
     take(first_np, running.copy())
     pending = jnp.asarray(first_np)
     while running.any():
         key, sub = jax.random.split(key)
         active = running.copy()
-        tokens, counts, cache, state = step(
+        tokens, counts, pending, cache, state = step(
             model,
             pending,
             jnp.asarray(active.astype(np.int32)),
@@ -298,13 +304,13 @@ def generate_speculative(
             sampling,
             policy,
         )
-        pending = jnp.take_along_axis(tokens, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
-        tokens_np, counts_np = np.asarray(tokens), np.asarray(counts)
+        tokens_np, counts_np = jax.device_get((tokens, counts))
+        accepted = counts_np[active] - 1
         counters["steps"] += 1
         counters["drafted"] += depth * int(active.sum())
-        counters["accepted"] += int((counts_np[active] - 1).sum())
-        for a in counts_np[active] - 1:
-            counters["histogram"][a] += 1
+        counters["accepted"] += int(accepted.sum())
+        for a, n in zip(*np.unique(accepted, return_counts=True), strict=True):
+            counters["histogram"][a] += int(n)
         for i in range(depth + 1):
             take(tokens_np[:, i], running & (counts_np > i))
     if stats is not None:

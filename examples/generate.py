@@ -22,8 +22,9 @@ def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
     if args.hf:
         import convert
 
-        return convert.load_hf(args.hf, dtype=jnp.dtype(args.dtype), load_mtp=False), args.hf
-    config = ed.Config.tiny(num_nextn_predict_layers=0)
+        model = convert.load_hf(args.hf, dtype=jnp.dtype(args.dtype), load_mtp=args.speculative)
+        return model, args.hf
+    config = ed.Config.tiny(num_nextn_predict_layers=1 if args.speculative else 0)
     model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=jnp.dtype(args.dtype))
     return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"
 
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="sampling (and default weights) seed")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--speculative",
+        action="store_true",
+        help="draft with the model's MTP blocks, verify with one main-model call per step "
+        "(same tokens when greedy, same distribution when sampling)",
+    )
     args = parser.parse_args(argv)
     try:
         return run(args)
@@ -82,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
     def stream(tokens, running):
         nonlocal shown
+        if not running[0]:
+            return
         stamps.append(time.perf_counter())
-        if running[0]:
-            generated.append(int(tokens[0]))
+        generated.append(int(tokens[0]))
         text = ed.decode_text(generated)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
             print(text[len(shown) :], end="", flush=True)
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(args.prompt if args.raw else f"> {args.prompt}", file=sys.stderr)
     start = time.perf_counter()
+    stats: dict = {}
     ed.generate(
         model,
         [prompt],
@@ -100,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         key=jax.random.key(args.seed),
         max_len=args.max_len,
         callback=stream,
+        speculative=args.speculative,
+        stats=stats,
     )
     print()
     prefill = stamps[0] - start
@@ -112,6 +123,14 @@ def run(args: argparse.Namespace) -> int:
         # From the second decode step on: the first one compiles.
         rate = (len(stamps) - 2) / (stamps[-1] - stamps[1])
         print(f"decode: {len(stamps) - 1} tokens, {rate:.1f} tokens/s", file=sys.stderr)
+    if args.speculative and stats["steps"]:
+        print(
+            f"speculative: {stats['accepted']} of {stats['drafted']} drafts accepted "
+            f"({stats['accepted'] / max(stats['drafted'], 1):.0%}), "
+            f"{(stats['tokens'] - 1) / stats['steps']:.2f} tokens per main-model call "
+            f"(after the prefill's first token)",
+            file=sys.stderr,
+        )
     return 0
 
 

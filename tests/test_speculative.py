@@ -4,6 +4,10 @@ equals plain greedy generation token for token, and speculative sampling draws f
 distribution as plain sampling."""
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -199,17 +203,24 @@ def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
 
 
 def test_stops_and_limits_as_plain(models):
+    # One cache length throughout (one set of compiled steps): rows end at max_len, at a stop
+    # token, or at max_new_tokens, in the middle of a step's accepted tokens too.
     model = _few_tokens(models["pro_like"])
     prompts = [[5, 6, 7], [1], [9, 9, 9, 9, 9, 9]]
-    free = ed.generate(model, prompts, max_new_tokens=20)
+    free = ed.generate(model, prompts, max_new_tokens=70, max_len=64)
+    assert [len(f) for f in free] == [64 - len(p) for p in prompts]
     stop = free[0][6]
-    for kwargs in ({"stop_tokens": [stop], "max_len": 12}, {"max_new_tokens": 3}):
-        kwargs = {"max_new_tokens": 20, **kwargs}
+    for kwargs in (
+        {"max_new_tokens": 70},
+        {"max_new_tokens": 70, "stop_tokens": [stop]},
+        {"max_new_tokens": 3},
+    ):
         seen = []
-        plain = ed.generate(model, prompts, **kwargs)
+        plain = ed.generate(model, prompts, max_len=64, **kwargs)
         spec = ed.generate(
             model,
             prompts,
+            max_len=64,
             speculative=True,
             callback=lambda t, r, seen=seen: seen.append((t.copy(), r.copy())),
             **kwargs,
@@ -221,6 +232,18 @@ def test_stops_and_limits_as_plain(models):
         ed.generate(
             eqx.tree_at(lambda m: m.mtp, model, ()), [[1]], max_new_tokens=2, speculative=True
         )
+
+
+def test_speculative_on_a_sharded_model(models):
+    # Weights split over fsdp x expert, the caches (the MTP blocks' too) over the batch.
+    model = _few_tokens(models["flash_like"])
+    prompts = [[5, 6, 7], [8, 9], [1], [4, 4, 4, 4]]
+    expected = ed.generate(model, prompts, max_new_tokens=12)
+    sharded = ed.shard(model, ed.make_mesh(fsdp=2, expert=4))
+    stats = {}
+    got = ed.generate(sharded, prompts, max_new_tokens=12, speculative=True, stats=stats)
+    assert got == expected
+    assert stats["accepted"] > 0
 
 
 def test_accept_drafts_by_hand():
@@ -300,3 +323,17 @@ def test_speculative_sampling_draws_the_plain_distribution():
     power = scipy.stats.ncx2.sf(critical, df, noncentrality)
     assert power > 0.99, power
     assert p_value > 1e-3, (chi2, df, p_value)
+
+
+def test_example_script_speculative():
+    # The embedded default with an MTP block (random weights: drafts are rejected).
+    result = subprocess.run(
+        [sys.executable, "examples/generate.py", "--speculative", "--max-new-tokens", "6"],
+        capture_output=True,
+        text=True,
+        cwd=pathlib.Path(__file__).parent.parent,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "drafts accepted" in result.stderr, result.stderr
+    assert "tokens per main-model call" in result.stderr
