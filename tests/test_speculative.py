@@ -202,6 +202,59 @@ def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
             assert all(count > 0 for count in stats["histogram"]), stats
 
 
+def test_drafts_equal_the_mtp_full_forward(models, monkeypatch):
+    # After every speculative step, the distributions the drafts were drawn from (both
+    # chained depths, sampling at temperature 1) against the MTP blocks run from position 0
+    # on the sequence so far: the MTP caches hold what the accepted tokens give, whatever was
+    # drafted and taken back (prompts of 1, 2 and 7 tokens: the depths' late starts too).
+    model = _few_tokens(models["pro_like"])
+    records = []
+    jitted = _speculative.step
+
+    def recording(*args):
+        out = jitted(*args)
+        records.append(jax.device_get((out[1], out[4].tokens, out[4].probs)))
+        return out
+
+    monkeypatch.setattr(_speculative, "step", recording)
+    prompts = [[5], [8, 9], [1, 2, 3, 4, 5, 6, 7]]
+    s = ed.Sampling(temperature=1.0)
+    out = ed.generate(
+        model, prompts, max_new_tokens=24, sampling=s, key=jax.random.key(2), speculative=True
+    )
+    assert len(records) > 8
+    n = 48  # one padded length: one compiled forward (causal: padding changes nothing before)
+
+    @eqx.filter_jit
+    def full(ids):
+        # [batch, n] tokens (each row's sequence, pending token last, then `draft` after it)
+        streams = model.streams(ids)
+        h0, x0 = model.mtp[0](streams[:, :-2], ids[:, 1:-1], model.embed)
+        h1, _ = model.mtp[1](x0, ids[:, 2:], model.embed)
+        return model.head(h0, dtype=jnp.float32), model.head(h1, dtype=jnp.float32)
+
+    done = np.ones(3, np.int64)  # tokens out of generate so far (the first from the prefill)
+    checked = 0
+    for counts, tokens, probs in records:
+        done += counts
+        ids = np.zeros((3, n), np.int32)
+        lengths = []
+        for b, p in enumerate(prompts):
+            seq = p + out[b][: done[b]]
+            lengths.append(len(seq))
+            ids[b, : len(seq)] = seq
+            ids[b, len(seq)] = tokens[b, 0]  # the first depth's draft: the second's input
+        logits0, logits1 = full(jnp.asarray(ids))
+        for b in range(3):
+            if done[b] > len(out[b]) or counts[b] == 0:
+                continue  # the row had ended (its last tokens cut at the limit)
+            t = lengths[b] - 2  # the last position with its next token: the pending one
+            np.testing.assert_allclose(probs[b, 0], jax.nn.softmax(logits0[b, t]), atol=1e-5)
+            np.testing.assert_allclose(probs[b, 1], jax.nn.softmax(logits1[b, t]), atol=1e-5)
+            checked += 1
+    assert checked > 20
+
+
 def test_stops_and_limits_as_plain(models):
     # One cache length throughout (one set of compiled steps): rows end at max_len, at a stop
     # token, or at max_new_tokens, in the middle of a step's accepted tokens too.
