@@ -179,8 +179,8 @@ def _few_tokens(model, keep: int = 4):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
     # Prompts of 1..40 tokens in one batch, 64 new tokens each: past the window and many block
-    # closes. With random weights drafts are almost always rejected; with the shrunk head they
-    # are accepted (6-18% here), every number of them. The speculative step is traced once.
+    # closes. With the shrunk head drafts are accepted (6-18% here) and rejected, every number
+    # of them (random weights alone accept almost none). The speculative step is traced once.
     step = eqx.filter_jit(
         eqx.debug.assert_max_traces(_speculative.step_fn, max_traces=1),
         donate="all-except-first",
@@ -189,17 +189,16 @@ def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, CONFIGS[name].vocab_size, n)) for n in range(1, 41)]
     depth = CONFIGS[name].num_nextn_predict_layers
-    for model, accepting in ((models[name], False), (_few_tokens(models[name]), True)):
-        plain = ed.generate(model, prompts, max_new_tokens=64)
-        stats = {}
-        spec = ed.generate(model, prompts, max_new_tokens=64, speculative=True, stats=stats)
-        for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
-            assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
-        assert stats["tokens"] == 40 * 64
-        assert sum(stats["histogram"]) * depth == stats["drafted"]
-        if accepting:
-            # Every number of accepted drafts occurs (for pro_like: the second depth's too).
-            assert all(count > 0 for count in stats["histogram"]), stats
+    model = _few_tokens(models[name])
+    plain = ed.generate(model, prompts, max_new_tokens=64)
+    stats = {}
+    spec = ed.generate(model, prompts, max_new_tokens=64, speculative=True, stats=stats)
+    for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
+    assert stats["tokens"] == 40 * 64
+    assert sum(stats["histogram"]) * depth == stats["drafted"]
+    # Every number of accepted drafts occurs (for pro_like: the second depth's too).
+    assert all(count > 0 for count in stats["histogram"]), stats
 
 
 def test_drafts_equal_the_mtp_full_forward(models, monkeypatch):
@@ -324,7 +323,7 @@ def test_accept_drafts_by_hand():
 
 
 def test_speculative_sampling_draws_the_plain_distribution():
-    # Two chained MTP blocks, a vocabulary of 8 and 6000 copies of one prompt: the first two
+    # Two chained MTP blocks, a vocabulary of 8 and 3000 copies of one prompt: the first two
     # generated tokens' joint frequencies against the exact plain-sampling distribution (the
     # model's own softmax at each step, after temperature, top-k and top-p), by a chi-square
     # test at level 1e-3. Its power against the distribution a sampler that always accepted
@@ -334,7 +333,7 @@ def test_speculative_sampling_draws_the_plain_distribution():
     model = random_fill(abstract(ed.DeepseekV4, config), seed=11)
     s = ed.Sampling(temperature=1.3, top_k=7, top_p=0.97)
     prompt = [3, 1, 4, 1, 5]
-    n = 6000
+    n = 3000
 
     def probs(logits):
         return np.asarray(jax.nn.softmax(ed._sampling.filtered_logits(logits, s), axis=-1))
