@@ -259,8 +259,7 @@ class DeepseekV4(eqx.Module):
     ) -> Float[Array, "batch seq vocab"]:
         """Logits of the first MTP block: position `t` predicts token `t + 2` from the final
         streams at `t` and `next_ids[:, t]` (token `t + 1`). Compiled once per input shape."""
-        if not self.mtp:
-            raise ValueError("this model has no MTP block (num_nextn_predict_layers == 0)")
+        check_mtp_depth(len(self.mtp), 0)
         _check_ids(next_ids)
         return _jitted_mtp_logits(self, streams, next_ids, resolve(policy, streams))
 

@@ -171,17 +171,22 @@ def prefill_chunk(
 @eqx.filter_jit(donate="all-except-first")
 def first_drafts(
     model: DeepseekV4,
+    logits: Float[Array, "batch vocab"],
     streams: Float[Array, "batch streams d_model"],
-    first: Int[Array, " batch"],
     state: Drafts,
-    key: PRNGKeyArray,
+    sample_key: PRNGKeyArray,
+    draft_key: PRNGKeyArray,
     sampling: Sampling,
     policy: Policy,
-) -> Drafts:
-    """After the prompts: the MTP depths at the last prompt position (main streams `streams`)
-    with the first generated token `first`, and the first drafts."""
+) -> tuple[Int[Array, " batch"], Drafts]:
+    """After the prompts: the first generated token, drawn from the main model's `logits` at
+    the last prompt position as one-token decoding draws it, then the MTP depths at that
+    position (main streams `streams`) with it, and the first drafts. **Returns:** `(first,
+    drafts)`."""
+    first = sample(logits, sample_key, sampling, policy=policy)
     ones = jnp.ones_like(first)
-    return draft(model, streams[:, None], ones, first[:, None], state, key, sampling, policy)
+    state = draft(model, streams[:, None], ones, first[:, None], state, draft_key, sampling, policy)
+    return first, state
 
 
 def step_fn(
@@ -267,10 +272,9 @@ def generate_speculative(
         else:
             last_logits = jnp.where(ends[:, None], logits, last_logits)
             last_streams = jnp.where(ends[:, None, None], streams, last_streams)
-    first = sample(last_logits, prefill_key, sampling, policy=policy)
-    first_np = np.asarray(first)
-    # Donates `first`.
-    state = first_drafts(model, last_streams, first, state, draft_key, sampling, policy)
+    first, state = first_drafts(
+        model, last_logits, last_streams, state, prefill_key, draft_key, sampling, policy
+    )
 
     out: list[list[int]] = [[] for _ in range(batch)]
     produced = np.zeros(batch, np.int64)
@@ -289,8 +293,8 @@ def generate_speculative(
             callback(tokens, kept)
         running[stopped | (produced >= limit)] = False
 
-    take(first_np, running.copy())
-    pending = jnp.asarray(first_np)
+    take(np.asarray(first), running.copy())
+    pending = first
     while running.any():
         key, sub = jax.random.split(key)
         active = running.copy()

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from hf_reference import C, H, S, abstract, random_fill, tiny_config
+from hf_reference import abstract, random_fill
+from test_decode import CONFIGS as DECODE_CONFIGS
 
 import equinox_dsv4 as ed
 from equinox_dsv4 import _speculative
@@ -24,24 +25,8 @@ from equinox_dsv4 import _speculative
 # The two tiny configs of test_decode.py, with MTP blocks: one (flash_like) and two chained
 # (pro_like). eos off: generation runs its full length.
 CONFIGS = {
-    "flash_like": tiny_config(
-        layer_types=(S, C, H, C, H),
-        num_hash_layers=1,
-        scan_min_repeats=2,
-        num_nextn_predict_layers=1,
-        eos_token_id=None,
-    ),
-    "pro_like": tiny_config(
-        layer_types=(H, C, C, C, H),
-        num_hash_layers=1,
-        hc_mult=2,
-        rope_scaling=None,
-        compress_rate_hca=16,
-        sliding_window=16,
-        index_topk=5,
-        num_nextn_predict_layers=2,
-        eos_token_id=None,
-    ),
+    name: dataclasses.replace(config, num_nextn_predict_layers=depth, eos_token_id=None)
+    for (name, config), depth in zip(sorted(DECODE_CONFIGS.items()), (1, 2), strict=True)
 }
 
 
