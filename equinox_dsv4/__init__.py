@@ -11,12 +11,7 @@ from ._cache import (
     cache_bytes as cache_bytes,
     cache_bytes_per_token as cache_bytes_per_token,
 )
-from ._chat import (
-    chat_prompt as chat_prompt,
-    decode_text as decode_text,
-    encode_text as encode_text,
-    load_tokenizer as load_tokenizer,
-)
+from ._chat import chat_prompt as chat_prompt
 from ._checkpoint import CheckpointError as CheckpointError, load as load, save as save
 from ._config import (
     CSA as CSA,
@@ -44,6 +39,7 @@ from ._release import (
     quantize_model as quantize_model,
     weight_bytes as weight_bytes,
 )
+from ._reply import parse_reply as parse_reply
 from ._sampling import Sampling as Sampling, accept_drafts as accept_drafts, sample as sample
 from ._sharding import (
     ShardingRules as ShardingRules,
@@ -53,6 +49,11 @@ from ._sharding import (
     partition_specs as partition_specs,
     shard as shard,
     shard_cache as shard_cache,
+)
+from ._tokenizer import (
+    decode_text as decode_text,
+    encode_text as encode_text,
+    load_tokenizer as load_tokenizer,
 )
 from ._train import (
     Batch as Batch,
@@ -96,8 +97,9 @@ __all__ = [
     "decode_step",
     "sample",
     "accept_drafts",
-    # the chat format and the tokenizer
+    # the chat protocol and the tokenizer
     "chat_prompt",
+    "parse_reply",
     "encode_text",
     "decode_text",
     "load_tokenizer",
