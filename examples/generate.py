@@ -11,41 +11,28 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
+from _common import (
+    TextStream,
+    add_model_arguments,
+    add_sampling_arguments,
+    check_vocabulary,
+    load_model,
+    sampling,
+)
 
 import equinox_dsv4 as ed
-
-
-def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
-    if args.checkpoint:
-        return ed.load(args.checkpoint), args.checkpoint
-    if args.hf:
-        import convert
-
-        model = convert.load_hf(args.hf, dtype=jnp.dtype(args.dtype), load_mtp=args.speculative)
-        return model, args.hf
-    config = ed.Config.tiny(num_nextn_predict_layers=1 if args.speculative else 0)
-    model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=jnp.dtype(args.dtype))
-    return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", metavar="DIR", help="a saved model (orbax)")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     parser.add_argument("--thinking", action="store_true", help="open the reply with <think>")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    add_sampling_arguments(parser, max_new_tokens=32)
     parser.add_argument("--max-len", type=int, help="cache length (default: prompt + new)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0, help="sampling (and default weights) seed")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--speculative",
         action="store_true",
@@ -63,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ValueError("--prompt is empty")
-    sampling = ed.Sampling(args.temperature, args.top_k, args.top_p)
+    sampler = sampling(args)
     text = (
         args.prompt
         if args.raw
@@ -76,27 +63,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the prompt has {len(prompt)} tokens, more than --max-len {args.max_len}")
 
     t0 = time.perf_counter()
-    model, described = load_model(args)
+    model, described = load_model(args, mtp=args.speculative)
     print(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    if model.config.vocab_size < ed.load_tokenizer().get_vocab_size():
-        raise ValueError(
-            f"the model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's"
-        )
+    check_vocabulary(model)
 
-    generated: list[int] = []
-    shown = ""
+    text_stream = TextStream()
     stamps: list[float] = []
 
     def stream(tokens, running):
-        nonlocal shown
         if not running[0]:
             return
         stamps.append(time.perf_counter())
-        generated.append(int(tokens[0]))
-        text = ed.decode_text(generated)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            print(text[len(shown) :], end="", flush=True)
-            shown = text
+        print(text_stream.push(tokens[0]), end="", flush=True)
 
     print(args.prompt if args.raw else f"> {args.prompt}", file=sys.stderr)
     start = time.perf_counter()
@@ -105,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         [prompt],
         max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
+        sampling=sampler,
         key=jax.random.key(args.seed),
         max_len=args.max_len,
         callback=stream,

@@ -22,31 +22,14 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from _common import add_model_arguments, load_model
 from tqdm import tqdm
 
 import equinox_dsv4 as ed
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def load_model(args: argparse.Namespace) -> tuple[ed.DeepseekV4, str]:
-    dtype = jnp.dtype(args.dtype)
-    if (args.checkpoint or args.hf) and args.layers is not None:
-        raise ValueError("--layers applies to the default model only")
-    if args.checkpoint:
-        return ed.load(args.checkpoint), args.checkpoint
-    if args.hf:
-        import convert
-
-        return convert.load_hf(args.hf, dtype=dtype), args.hf
-    config = ed.Config.tiny()
-    if args.layers is not None:
-        config = config.first_layers(args.layers)
-    model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
-    return model, f"the embedded tiny default, random init (seed {args.seed})"
 
 
 def windows(tokens: np.ndarray, seq_len: int, batch: int, position: int) -> np.ndarray:
@@ -61,9 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", metavar="DIR", help="a saved model (orbax)")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
+    add_model_arguments(parser)
     parser.add_argument("--text", default=str(ROOT / "README.md"), help="training text file")
     parser.add_argument("--out", default="runs/train", help="run directory (state, model)")
     parser.add_argument("--steps", type=int, default=100, help="total steps (resume included)")
@@ -89,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         return run(args)
@@ -112,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     state_dir = out / "train_state"
 
     t0 = time.perf_counter()
-    model, source = load_model(args)
+    model, source = load_model(args, layers=args.layers)
     mesh = None
     if args.fsdp > 1:
         if args.batch % args.fsdp:

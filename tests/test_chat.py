@@ -6,17 +6,21 @@ encoder's source and revision). The encoder is not part of this repository.
 """
 
 import copy
+import importlib
+import io
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 import equinox_dsv4 as ed
 
 
-CASES = json.loads(
-    (pathlib.Path(__file__).parent / "data" / "release_chat" / "cases.json").read_text("utf-8")
-)
+ROOT = pathlib.Path(__file__).parent.parent
+CASES = json.loads((ROOT / "tests" / "data" / "release_chat" / "cases.json").read_text("utf-8"))
 
 
 def _names(entries):
@@ -162,3 +166,157 @@ def test_tokens_and_decoding():
     assert ed.decode_text(reminder, skip_special_tokens=False).endswith(
         "y<｜action｜><｜read_url｜>"
     )
+
+
+# --- examples/chat.py
+
+
+def _chat_module():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        return importlib.import_module("chat")
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+class _Scripted:
+    """A stand-in for the model: gives the listed replies in turn and keeps the prompts."""
+
+    def __init__(self, *replies):
+        self.replies, self.prompts = list(replies), []
+
+    def __call__(self, prompt, thinking):
+        self.prompts.append((prompt, thinking))
+        return self.replies.pop(0)
+
+
+def _reply(name):
+    return next(r for r in CASES["replies"] if r["name"] == name)["text"]
+
+
+def test_chat_session_keeps_history_calls_tools_and_drops_old_reasoning():
+    chat = _chat_module()
+    tools = json.loads((ROOT / "examples" / "tools.json").read_text())
+    conversation = chat.Conversation(system="Be brief.", tools=tools, thinking=True)
+    model = _Scripted(
+        'Call it.</think>\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="location" string="true">Oslo</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls><｜end▁of▁sentence｜>",
+        "Got it.</think>Cold.<｜end▁of▁sentence｜>",
+        "No tools now.</think>Bye.<｜end▁of▁sentence｜>",
+        "cut off by the token limit",
+    )
+    lines = iter(
+        ["Weather in Oslo?", "-3°C", "/think", "/think", "/effort max", "Thanks", "/prompt"]
+    )
+    log = io.StringIO()
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    chat.interact(conversation, model, read, log)
+    assert "[tool call] get_weather" in log.getvalue()
+    assert "Oslo" in log.getvalue()
+    first, after_result, third = (p for p, _ in model.prompts)
+    assert first == ed.chat_prompt(
+        [
+            {"role": "system", "content": "Be brief.", "tools": tools},
+            {"role": "user", "content": "Weather in Oslo?"},
+        ],
+        thinking=True,
+    )
+    # The call and its result went back into the conversation; with tools nothing is dropped.
+    assert after_result.endswith("<｜User｜><tool_result>-3°C</tool_result><｜Assistant｜><think>")
+    assert "Call it.</think>" in after_result
+    assert third.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum")
+    assert "unchecked.\n\nBe brief.\n\n## Tools" in third  # /effort max, before the system
+    assert "Got it.</think>Cold." in third and third.endswith(
+        "<｜User｜>Thanks<｜Assistant｜><think>"
+    )
+    assert conversation.messages[-1] == {
+        "role": "assistant",
+        "content": "Bye.",
+        "reasoning_content": "No tools now.",
+    }
+    assert log.getvalue().rstrip().endswith(conversation.prompt())  # /prompt
+
+    # Without tools the release drops the reasoning of earlier turns.
+    plain = chat.Conversation(thinking=True)
+    model = _Scripted(
+        "R1.</think>A1.<｜end▁of▁sentence｜>", "R2.</think>A2.<｜end▁of▁sentence｜>", "cut"
+    )
+    lines = iter(["Q1", "Q2", "Q3", "/reset", "/prompt"])
+    chat.interact(plain, model, read, log)
+    assert model.prompts[2][0] == ed.chat_prompt(
+        [
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1."},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2."},
+            {"role": "user", "content": "Q3"},
+        ],
+        thinking=True,
+    )
+    assert "R1." not in model.prompts[2][0] and "A1.<｜end▁of▁sentence｜>" in model.prompts[2][0]
+    assert "not in the chat format" in log.getvalue()  # the cut-off reply, kept as text
+    assert plain.messages == []  # /reset
+
+
+def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
+    chat = _chat_module()
+    case = next(
+        c for c in CASES["conversations"] if c["name"] == "parallel_calls_results_out_of_order"
+    )
+    (tmp_path / "conversation.json").write_text(json.dumps({"messages": case["messages"]}))
+    model = _Scripted(_reply("thinking_one_call"))
+    monkeypatch.setattr(chat, "load_model", lambda args, mtp: (None, "scripted"))
+    monkeypatch.setattr(chat, "check_vocabulary", lambda _: None)
+    monkeypatch.setattr(chat, "Replier", lambda *_: model)
+    code = chat.main(["--messages", str(tmp_path / "conversation.json"), "--thinking", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert model.prompts == [(case["prompt"], True)]
+    parsed = json.loads(out.strip().splitlines()[-1])
+    assert parsed == next(r for r in CASES["replies"] if r["name"] == "thinking_one_call")["parsed"]
+    assert "[tool call] get_weather" in err
+
+    (tmp_path / "bad.json").write_text('[{"role": "narrator", "content": "x"}]')
+    assert chat.main(["--messages", str(tmp_path / "bad.json")]) == 1
+    assert "unknown role 'narrator'" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("[{")
+    assert chat.main(["--messages", str(tmp_path / "broken.json")]) == 1
+    assert "not JSON" in capsys.readouterr().err
+
+
+def test_chat_example_through_stdin():
+    """Two turns on the embedded default through a pipe, with tools, the thinking toggle and
+    /prompt: the printed prompt holds both turns in the release's format."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "examples/chat.py",
+            "--max-new-tokens",
+            "6",
+            "--tools",
+            "examples/tools.json",
+        ],
+        input="Hello there\n/think\nWhat next?\n/prompt\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "RANDOM weights" in result.stderr and "Traceback" not in result.stderr
+    assert "you> Hello there" in result.stderr and "[thinking mode on]" in result.stderr
+    transcript = result.stderr
+    prompt = transcript[transcript.index("<｜begin▁of▁sentence｜>") :]
+    assert "## Tools" in prompt and '"name": "get_weather"' in prompt
+    assert "<｜User｜>Hello there<｜Assistant｜><think></think>" in prompt
+    assert prompt.rstrip().endswith("<｜end▁of▁sentence｜>")  # the second reply is in the history
+    assert prompt.count("<｜User｜>") == 2
+    assert "(thinking) " in result.stdout  # the second reply streamed as reasoning

@@ -1,0 +1,90 @@
+"""What the example scripts share: where the model comes from, sampling options, streamed text.
+
+With no model argument a script runs the embedded default: a tiny model built from
+`equinox_dsv4/configs/tiny.json` with RANDOM (seeded) weights, so its text is meaningless; it shows
+the whole path working. `--checkpoint DIR` (a model saved by `python -m convert` or
+`equinox_dsv4.save`) or `--hf DIR` (a Hugging Face DeepSeek-V4 checkpoint) gives real weights.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import equinox_dsv4 as ed
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint` / `--hf` (else the embedded default), `--dtype`, `--seed`."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", metavar="DIR", help="a saved model (orbax)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the default model's weights and of sampling"
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    """`--max-new-tokens`, `--temperature`, `--top-k`, `--top-p`."""
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0)
+
+
+def sampling(args: argparse.Namespace) -> ed.Sampling:
+    return ed.Sampling(args.temperature, args.top_k, args.top_p)
+
+
+def load_model(
+    args: argparse.Namespace, *, mtp: bool | None = None, layers: int | None = None
+) -> tuple[ed.DeepseekV4, str]:
+    """The model the arguments name and a description of it.
+
+    `mtp`: with or without the MTP blocks (`None`: the default model's one, a checkpoint's if
+    it has them); `layers`: the default model keeps only its first `layers` layers.
+    """
+    dtype = jnp.dtype(args.dtype)
+    if (args.checkpoint or args.hf) and layers is not None:
+        raise ValueError("--layers applies to the default model only")
+    if args.checkpoint:
+        return ed.load(args.checkpoint), args.checkpoint
+    if args.hf:
+        import convert
+
+        return convert.load_hf(args.hf, dtype=dtype, load_mtp=mtp), args.hf
+    config = ed.Config.tiny(**({} if mtp is None else {"num_nextn_predict_layers": int(mtp)}))
+    if layers is not None:
+        config = config.first_layers(layers)
+    model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
+    return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"
+
+
+def check_vocabulary(model: ed.DeepseekV4) -> None:
+    if model.config.vocab_size < ed.load_tokenizer().get_vocab_size():
+        raise ValueError(
+            f"the model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's"
+        )
+
+
+class TextStream:
+    """Text of a growing list of token ids, handed out as it becomes printable.
+
+    A character of several bytes can span tokens: its first tokens decode to U+FFFD, so the
+    text waits for the rest.
+    """
+
+    def __init__(self, *, skip_special_tokens: bool = True):
+        self.ids: list[int] = []
+        self.shown = ""
+        self.skip = skip_special_tokens
+
+    def push(self, token: int) -> str:
+        """Add a token; return the new printable text (maybe empty)."""
+        self.ids.append(int(token))
+        text = ed.decode_text(self.ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[len(self.shown) :], text
+        return new
