@@ -162,9 +162,8 @@ def _tool_result(content: Any, where: str) -> str:
     return "\n\n".join(parts)
 
 
-def _check(message: Any, i: int) -> None:
+def _check(message: Any, where: str) -> None:
     """Refuse what the release's encoder would fail on (here for every message, rendered or not)."""
-    where = f"message {i}"
     if not isinstance(message, Mapping):
         raise ValueError(f"{where} is not a dict")
     role = message.get("role")
@@ -356,8 +355,9 @@ def chat_prompt(
             f"reasoning_effort {reasoning_effort!r}: one of {', '.join(REASONING_EFFORTS)} or None"
         )
     context = list(context or [])
-    for i, message in enumerate([*context, *messages]):
-        _check(message, i)
+    for name, given in (("context", context), ("messages", messages)):
+        for i, message in enumerate(given):
+            _check(message, f"{name}[{i}]")
     old, new = _merge(context), _merge(messages)
     history = old + new
     _order_results(history)

@@ -205,16 +205,22 @@ def interact(conversation: Conversation, reply, read: Callable[[str], str], log)
             else:
                 print(f"[commands: {HELP}]", file=log)
             continue
-        conversation.ask(line)
-        turn(conversation, reply, log)
-        while conversation.pending:
-            for call in list(conversation.pending):
-                try:
-                    result = read(f"result of {describe(call)}> ")
-                except EOFError:
-                    return
-                conversation.give_result(call, result)
+        kept = len(conversation.messages)
+        try:
+            conversation.ask(line)
             turn(conversation, reply, log)
+            while conversation.pending:
+                for call in list(conversation.pending):
+                    try:
+                        result = read(f"result of {describe(call)}> ")
+                    except EOFError:
+                        return
+                    conversation.give_result(call, result)
+                turn(conversation, reply, log)
+        except ValueError as e:  # e.g. the conversation outgrew --max-len: undo this exchange
+            del conversation.messages[kept:]
+            conversation.pending = []
+            print(f"[error: {e}]", file=log)
 
 
 def read_json(path: str, what: str) -> Any:

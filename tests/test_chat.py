@@ -264,6 +264,13 @@ def test_chat_session_keeps_history_calls_tools_and_drops_old_reasoning():
     assert "not in the chat format" in log.getvalue()  # the cut-off reply, kept as text
     assert plain.messages == []  # /reset
 
+    def too_long(prompt, thinking):
+        raise ValueError("the conversation has 9 tokens, more than --max-len 8 allows")
+
+    lines = iter(["Q4", "/prompt"])
+    chat.interact(plain, too_long, read, log)
+    assert "[error: the conversation has 9 tokens" in log.getvalue() and plain.messages == []
+
 
 def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
     chat = _chat_module()
@@ -283,6 +290,17 @@ def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
     assert parsed == next(r for r in CASES["replies"] if r["name"] == "thinking_one_call")["parsed"]
     assert "[tool call] get_weather" in err
 
+    # Tools from a file, on a conversation without a system message.
+    (tmp_path / "question.json").write_text('[{"role": "user", "content": "Weather in Oslo?"}]')
+    model = _Scripted(_reply("chat_plain"))
+    args = ["--messages", str(tmp_path / "question.json"), "--tools", "examples/tools.json"]
+    assert chat.main([*args, "--system", "Be brief."]) == 0
+    tools = json.loads((ROOT / "examples" / "tools.json").read_text())
+    system = {"role": "system", "content": "Be brief.", "tools": tools}
+    assert model.prompts[0][0] == ed.chat_prompt(
+        [system, {"role": "user", "content": "Weather in Oslo?"}]
+    )
+
     (tmp_path / "bad.json").write_text('[{"role": "narrator", "content": "x"}]')
     assert chat.main(["--messages", str(tmp_path / "bad.json")]) == 1
     assert "unknown role 'narrator'" in capsys.readouterr().err
@@ -292,18 +310,14 @@ def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
 
 
 def test_chat_example_through_stdin():
-    """Two turns on the embedded default through a pipe, with tools, the thinking toggle and
-    /prompt: the printed prompt holds both turns in the release's format."""
+    """Two turns on the embedded default through a pipe, with the thinking toggle and /prompt:
+    the printed prompt holds both turns in the release's format. The first prompt, the sampling
+    and the cache length are test_generate's example run's, whose compiled programs this run
+    then finds in the session's compilation cache."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "examples/chat.py",
-            "--max-new-tokens",
-            "6",
-            "--tools",
-            "examples/tools.json",
-        ],
-        input="Hello there\n/think\nWhat next?\n/prompt\n",
+        [sys.executable, "examples/chat.py", "--max-new-tokens", "5", "--temperature", "0.7"]
+        + ["--max-len", "64"],
+        input="What is the capital of France?\n/think\nAnd of Spain?\n/prompt\n",
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -312,11 +326,15 @@ def test_chat_example_through_stdin():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "RANDOM weights" in result.stderr and "Traceback" not in result.stderr
-    assert "you> Hello there" in result.stderr and "[thinking mode on]" in result.stderr
     transcript = result.stderr
+    assert "you> What is the capital of France?" in transcript
+    assert "[thinking mode on]" in transcript
     prompt = transcript[transcript.index("<｜begin▁of▁sentence｜>") :]
-    assert "## Tools" in prompt and '"name": "get_weather"' in prompt
-    assert "<｜User｜>Hello there<｜Assistant｜><think></think>" in prompt
+    first = "<｜User｜>What is the capital of France?<｜Assistant｜></think>"
+    assert prompt.startswith("<｜begin▁of▁sentence｜>" + first)  # chat mode, not dropped
+    assert (
+        prompt.count("<｜User｜>") == 2
+        and "<｜User｜>And of Spain?<｜Assistant｜><think>" in prompt
+    )
     assert prompt.rstrip().endswith("<｜end▁of▁sentence｜>")  # the second reply is in the history
-    assert prompt.count("<｜User｜>") == 2
     assert "(thinking) " in result.stdout  # the second reply streamed as reasoning
