@@ -265,10 +265,12 @@ def _drop_old_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return kept
 
 
-def _render(i: int, messages: list[dict[str, Any]], thinking: bool, drop: bool, effort) -> str:
+def _render(
+    i: int, messages: list[dict[str, Any]], last_user: int, thinking: bool, drop: bool, effort
+) -> str:
+    """Message `i`'s text (`last_user`: the index of the last user or developer message)."""
     message = messages[i]
     role, where = message["role"], f"message {i}"
-    last_user = _last_user(messages)
     out = REASONING_EFFORT_MAX if i == 0 and thinking and effort == "max" else ""
     if role in ("system", "developer"):
         out += USER + message["content"] if role == "developer" else _text(message, where)
@@ -370,6 +372,8 @@ def chat_prompt(
     else:
         start = len(old)
     prompt = BOS if add_bos and not context else ""
+    last_user = _last_user(history)
     return prompt + "".join(
-        _render(i, history, thinking, drop, reasoning_effort) for i in range(start, len(history))
+        _render(i, history, last_user, thinking, drop, reasoning_effort)
+        for i in range(start, len(history))
     )

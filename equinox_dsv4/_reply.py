@@ -8,11 +8,10 @@ A reply is what the model writes after the prompt's assistant opener:
 what that refuses, with a `ValueError`.
 """
 
-import json
 import re
 from typing import Any
 
-from ._chat import BOS, DSML, END_THINK, EOS, THINK
+from ._chat import BOS, DSML, END_THINK, EOS, THINK, to_json
 
 
 CALLS_OPEN = f"\n\n<{DSML}tool_calls"
@@ -52,8 +51,8 @@ def _arguments(parameters: dict[str, tuple[str, str]]) -> str:
     """The JSON-string arguments: string parameters quoted, the others inserted as written."""
     items = []
     for name, (value, string) in parameters.items():
-        written = json.dumps(value, ensure_ascii=False) if string == "true" else value
-        items.append(f"{json.dumps(name, ensure_ascii=False)}: {written}")
+        written = to_json(value, "a parameter") if string == "true" else value
+        items.append(f"{to_json(name, 'a parameter name')}: {written}")
     return "{" + ", ".join(items) + "}"
 
 

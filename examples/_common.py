@@ -7,11 +7,30 @@ the whole path working. `--checkpoint DIR` (a model saved by `python -m convert`
 """
 
 import argparse
+import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 import equinox_dsv4 as ed
+
+
+def new_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A parser whose `--help` shows the script's docstring as written."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def run_reporting_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`run(args)`; errors a user can fix (bad input or options, missing or unreadable files,
+    a bad checkpoint) are one line on stderr and exit status 1, not a traceback."""
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,6 +32,8 @@ from _common import (
     add_sampling_arguments,
     check_vocabulary,
     load_model,
+    new_parser,
+    run_reporting_errors,
     sampling,
 )
 
@@ -232,9 +234,7 @@ def read_json(path: str, what: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     add_model_arguments(parser)
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--tools", metavar="FILE", help="OpenAI function tools (JSON list)")
@@ -246,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-len", type=int, default=4096, help="cache length: the longest conversation"
     )
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError, ed.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(run, parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from _common import (
     add_sampling_arguments,
     check_vocabulary,
     load_model,
+    new_parser,
+    run_reporting_errors,
     sampling,
 )
 
@@ -24,9 +26,7 @@ import equinox_dsv4 as ed
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     add_model_arguments(parser)
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
@@ -39,12 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         help="draft with the model's MTP blocks, verify with one main-model call per step "
         "(same tokens when greedy, same distribution when sampling)",
     )
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(run, parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ import time
 
 import jax
 import numpy as np
-from _common import add_model_arguments, load_model
+from _common import add_model_arguments, load_model, new_parser, run_reporting_errors
 from tqdm import tqdm
 
 import equinox_dsv4 as ed
@@ -41,9 +41,7 @@ def windows(tokens: np.ndarray, seq_len: int, batch: int, position: int) -> np.n
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     add_model_arguments(parser)
     parser.add_argument("--text", default=str(ROOT / "README.md"), help="training text file")
     parser.add_argument("--out", default="runs/train", help="run directory (state, model)")
@@ -70,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (OSError, ValueError, ed.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    return run_reporting_errors(run, parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
