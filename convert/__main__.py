@@ -5,6 +5,11 @@ experts) or the layout transformers' `save_pretrained` writes, checks everything
 config before reading any data, and writes an orbax checkpoint that `equinox_dsv4.load(OUT_DIR)`
 restores (sharded when given a mesh). On any problem: one message listing all of them, exit
 status 1, and nothing left at OUT_DIR.
+
+With --mesh (and always with several processes) the model is loaded onto a mesh of all devices,
+each reading only what it holds, and saved from there. On several hosts, run the same command on
+each with its --process-id (paths on a shared file system): each process reads and writes its
+part.
 """
 
 import argparse
@@ -13,7 +18,9 @@ import warnings
 
 import jax.numpy as jnp
 
+import equinox_dsv4 as ed
 from equinox_dsv4._checkpoint import CheckpointError
+from equinox_dsv4.compile import parse_mesh
 
 from ._load import convert
 
@@ -54,10 +61,19 @@ def main(argv: list[str] | None = None) -> int:
         "quantization_config), else 'exact'. The saved model keeps the choice",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--mesh",
+        metavar="AXIS=N,...",
+        help="load onto this mesh of all devices and save from there, e.g. expert=8 (default "
+        "with several processes: expert over all devices where it divides the experts)",
+    )
+    ed.add_distributed_arguments(parser)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():  # restores the default display afterwards
         warnings.showwarning = _one_line
         try:
+            ed.initialize_from_args(args)
+            mesh = ed.make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
             summary = convert(
                 args.hf_dir,
                 args.out_dir,
@@ -67,13 +83,22 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.quiet,
                 quantized=args.quantized,
                 numerics=args.numerics,
+                mesh=mesh,
             )
         except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+    if not ed.is_primary():
+        return 0
+    mib = summary["bytes"] / 2**20
+    shared = (
+        f" (this process; all: {summary['bytes_total'] / 2**20:.1f} MiB)"
+        if summary["bytes"] != summary["bytes_total"]
+        else ""
+    )
     print(
-        f"converted {summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB in "
-        f"{summary['seconds']:.1f} s ({summary['bytes'] / 2**20 / summary['seconds']:.1f} MiB/s); "
+        f"converted {summary['tensors']} tensors, {mib:.1f} MiB{shared} in "
+        f"{summary['seconds']:.1f} s ({mib / summary['seconds']:.1f} MiB/s); "
         f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB -> {args.out_dir}",
         file=sys.stderr,
     )

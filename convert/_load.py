@@ -32,7 +32,9 @@ from equinox_dsv4._checkpoint import (
     Slot,
     assign,
     canonical_to_path,
+    publish,
     quantized_meta,
+    temporary_sibling,
     write_metadata,
 )
 
@@ -312,6 +314,8 @@ def load_hf(
     cache_bytes: int = 2 << 30,
     quantized: bool = False,
     numerics: str | None = None,
+    layers: int | None = None,
+    stats: dict | None = None,
 ) -> ed.DeepseekV4:
     """Load a Hugging Face DeepSeek-V4 checkpoint (official release layout or transformers
     `save_pretrained` layout) into a model.
@@ -336,15 +340,39 @@ def load_hf(
     - `numerics`: `"exact"` or `"release"` (`Config.numerics`: the FP8/FP4 round trips of the
       official inference code). Default: `"release"` for a checkpoint whose config.json has a
       `quantization_config` (the release's), else `"exact"`.
+    - `layers`: keep only the first `layers` layers (for smoke runs).
+    - `stats`: when given a dict, it receives `bytes_read` and `tensors_read` (what this
+      process read from disk) and `bytes_total` (all the checkpoint's tensors the model uses).
+
+    With several processes every one calls `load_hf` with the same mesh (spanning them all);
+    each reads only the tensors its devices hold a part of.
 
     **Returns:** the model. Raises `CheckpointError` (listing every problem) before reading any
     data if the checkpoint does not match its config.
     """
-    p = plan(hf_dir, dtype=dtype, load_mtp=load_mtp, quantized=quantized, numerics=numerics)
+    p = plan(
+        hf_dir,
+        dtype=dtype,
+        load_mtp=load_mtp,
+        layers=layers,
+        quantized=quantized,
+        numerics=numerics,
+    )
     block = p.config.fp8_block_size or (128, 128)
-    cache = _PieceCache(lambda s: s.read(block), cache_bytes)
+    read = {"bytes_read": 0, "tensors_read": 0}
+
+    def read_source(source: Source) -> np.ndarray:
+        read["bytes_read"] += source.nbytes
+        read["tensors_read"] += 1 + (source.scale is not None)
+        return source.read(block)
+
+    cache = _PieceCache(read_source, cache_bytes)
     leaves, treedef = jax.tree_util.tree_flatten(p.skeleton)
     if mesh is None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"loading in {jax.process_count()} processes needs a mesh over their devices"
+            )
         shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
     else:
         shardings = jax.tree.leaves(ed.named_shardings(p.skeleton, mesh, rules))
@@ -369,6 +397,8 @@ def load_hf(
         jax.make_array_from_callback(leaf.shape, shardings[i], lambda idx, i=i: region(i, idx))
         for i, leaf in enumerate(leaves)
     ]
+    if stats is not None:
+        stats.update(read, bytes_total=p.bytes_read)
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
@@ -382,6 +412,8 @@ def convert(
     progress: bool = False,
     quantized: bool = False,
     numerics: str | None = None,
+    mesh: Mesh | None = None,
+    rules: ed.ShardingRules | None = None,
 ) -> dict[str, Any]:
     """Convert a Hugging Face checkpoint into a saved model at `out_dir` (read it with
     `equinox_dsv4.load`).
@@ -392,12 +424,56 @@ def convert(
     With `quantized`, the release's FP8/FP4 weights are written as stored (see `load_hf`) and
     `equinox_dsv4.load` restores them so. `numerics` as in `load_hf`; the saved model keeps it.
 
-    **Returns:** a summary: tensors and bytes read, seconds, peak RSS in bytes.
+    With a `mesh` (`rules` as in `load_hf`) the model is instead loaded onto it, each device
+    reading only what it holds, and saved from there (`equinox_dsv4.save`): the mesh must hold
+    the model. That is how several processes convert together: every one calls `convert` with
+    the same arguments and a mesh over all their devices (default with several processes:
+    `expert` over all devices where it divides the experts, else `fsdp`), paths on a shared
+    file system; each reads and writes its part.
+
+    **Returns:** a summary: `tensors` and `bytes` read by this process (`bytes_total`: the
+    tensors the model uses), `seconds`, this process's `peak_rss_bytes`, the written `config`.
     """
     start = time.perf_counter()
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; remove it or choose another path")
+    if mesh is None and jax.process_count() > 1:
+        n = jax.device_count()
+        config = ed.Config.from_json(pathlib.Path(hf_dir) / "config.json")
+        mesh = ed.make_mesh(**({"expert": n} if config.n_routed_experts % n == 0 else {"fsdp": n}))
+    if mesh is not None:
+        stats: dict = {}
+        model = load_hf(
+            hf_dir,
+            dtype=dtype,
+            mesh=mesh,
+            load_mtp=load_mtp,
+            rules=rules,
+            quantized=quantized,
+            numerics=numerics,
+            layers=layers,
+            stats=stats,
+        )
+        ed.save(out_dir, model)
+        summary = {
+            "tensors": stats["tensors_read"],
+            "bytes": stats["bytes_read"],
+            "bytes_total": stats["bytes_total"],
+        }
+    else:
+        summary = _stream(
+            hf_dir, out_dir, dtype, load_mtp, layers, progress, quantized, numerics
+        )
+    return {
+        **summary,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "config": json.loads((out_dir / "config.json").read_text()),
+    }
+
+
+def _stream(hf_dir, out_dir, dtype, load_mtp, layers, progress, quantized, numerics) -> dict:
     p = plan(
         hf_dir,
         dtype=dtype,
@@ -407,10 +483,9 @@ def convert(
         numerics=numerics,
     )
     block = p.config.fp8_block_size or (128, 128)
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}")
+    tmp = temporary_sibling(out_dir)
     bar = _progress(p.bytes_read, p.tensors_read) if progress else None
     try:
-        tmp.mkdir(parents=True)
         write_metadata(tmp, p.config, dtype, quantized_meta(p.skeleton))
         largest = max((s.weight.file.stat().st_size for s in p.sources.values()), default=0)
         writer = PieceWriter(tmp, flush_bytes=max(32 << 20, min(largest // 4, 1 << 30)))
@@ -421,20 +496,14 @@ def convert(
                 bar.update(source.nbytes)
                 bar.set_postfix_str(f"{done}/{len(p.sources)} pieces", refresh=False)
         writer.close()
-        tmp.rename(out_dir)
+        publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if bar is not None:
             bar.close()
-    return {
-        "tensors": p.tensors_read,
-        "bytes": p.bytes_read,
-        "seconds": time.perf_counter() - start,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "config": json.loads((out_dir / "config.json").read_text()),
-    }
+    return {"tensors": p.tensors_read, "bytes": p.bytes_read, "bytes_total": p.bytes_read}
 
 
 def peak_rss_bytes() -> int:

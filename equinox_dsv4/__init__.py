@@ -1,7 +1,7 @@
 """DeepSeek-V4 (Flash / Pro) in JAX + Equinox.
 
 The names here are what a user calls: the model and its config, the cache, generation and
-sampling, the chat format, loading and saving, sharding, training. The components are in
+sampling, the chat format, loading and saving, sharding, several processes, training. The components are in
 `equinox_dsv4.nn`; everything else stays importable from its private module.
 """
 
@@ -21,6 +21,13 @@ from ._config import (
     SLIDING as SLIDING,
     Config as Config,
     YarnScaling as YarnScaling,
+)
+from ._distributed import (
+    add_distributed_arguments as add_distributed_arguments,
+    barrier as barrier,
+    initialize as initialize,
+    initialize_from_args as initialize_from_args,
+    is_primary as is_primary,
 )
 from ._generate import (
     decode_step as decode_step,
@@ -122,6 +129,12 @@ __all__ = [
     "named_shardings",
     "partition_specs",
     "logical_axes",
+    # several processes
+    "initialize",
+    "initialize_from_args",
+    "add_distributed_arguments",
+    "is_primary",
+    "barrier",
     # training
     "Batch",
     "TrainState",

@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._config import Config
+from ._distributed import barrier, is_primary, shared_token
 from ._model import DeepseekV4
 from ._plan import LayerPlan
 from ._quant import FP8, QuantizedWeight
@@ -307,18 +308,24 @@ class PieceWriter:
     """Streams canonically named pieces into `weights/`: whenever `flush_bytes` are pending they
     are saved as the next orbax checkpoint `weights/part-NNNNN`, and `close` writes
     `weights/manifest.json` (name -> part, shape, dtype). Host memory stays bounded by
-    `flush_bytes` plus one piece, whatever the model size."""
+    `flush_bytes` plus one piece, whatever the model size.
+
+    A piece is a host array or a `jax.Array`. With several processes every one of them makes the
+    same calls with the same global `jax.Array` pieces, and each writes the shards it holds
+    (orbax's multi-process save); process 0 makes the directory and writes the manifest."""
 
     def __init__(self, path: pathlib.Path, flush_bytes: int = 1 << 30):
         self._dir = path.absolute() / "weights"  # orbax refuses relative paths
-        self._dir.mkdir()
+        if is_primary():
+            self._dir.mkdir()
+        barrier(f"equinox_dsv4-writer-{self._dir}")
         self._pending: dict = {}
         self._bytes = 0
         self._flush_bytes = flush_bytes
         self._manifest: dict[str, dict] = {}
         self._parts = 0
 
-    def add(self, name: str, array: np.ndarray) -> None:
+    def add(self, name: str, array: np.ndarray | jax.Array) -> None:
         if name in self._manifest:
             raise ValueError(f"{name!r} written twice")
         _nest(name, array, self._pending)
@@ -327,7 +334,8 @@ class PieceWriter:
             "shape": list(array.shape),
             "dtype": np.dtype(array.dtype).name,
         }
-        self._bytes += array.nbytes
+        # The global size (what every process counts alike), not the bytes held here.
+        self._bytes += int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
         if self._bytes >= self._flush_bytes:
             self.flush()
 
@@ -347,26 +355,48 @@ class PieceWriter:
 
     def close(self) -> None:
         self.flush()
-        manifest = {"format": FORMAT_VERSION, "parts": self._parts, "pieces": self._manifest}
-        (self._dir / "manifest.json").write_text(json.dumps(manifest))
+        if is_primary():
+            manifest = {"format": FORMAT_VERSION, "parts": self._parts, "pieces": self._manifest}
+            (self._dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def temporary_sibling(final: pathlib.Path) -> pathlib.Path:
+    """Where a save to `final` is written before it is renamed into place: a name that every
+    process agrees on, made by process 0 (which raises `FileExistsError` if `final` exists)."""
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    tmp = final.with_name(f"{final.name}.tmp-{shared_token()}")
+    if is_primary():
+        tmp.mkdir(parents=True)
+    barrier(f"equinox_dsv4-tmp-{tmp}")
+    return tmp
+
+
+def publish(tmp: pathlib.Path, final: pathlib.Path) -> None:
+    """Rename the completed `tmp` to `final` once every process has written its part."""
+    barrier(f"equinox_dsv4-written-{tmp}")
+    if is_primary():
+        tmp.rename(final)
+    barrier(f"equinox_dsv4-published-{final}")
 
 
 def save(path: str | os.PathLike, model: DeepseekV4) -> None:
     """Save `model` (see the module docstring for the format). `path` must not exist; it is
-    written under a temporary sibling name and renamed when complete."""
-    final = pathlib.Path(path)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists")
-    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    written under a temporary sibling name and renamed when complete.
+
+    With several processes (a model on a mesh that spans them), every process calls `save`
+    with the same path on a shared file system; each writes the shards it holds, process 0
+    the metadata and manifest."""
+    final = pathlib.Path(path).absolute()
+    tmp = temporary_sibling(final)
     try:
-        tmp.mkdir(parents=True)
-        dtype = model.embed.weight.dtype
-        write_metadata(tmp, model.config, dtype, quantized_meta(model))
+        if is_primary():
+            write_metadata(tmp, model.config, model.embed.weight.dtype, quantized_meta(model))
         writer = PieceWriter(tmp)
         for name, array in canonical_pieces(model):
-            writer.add(name, np.asarray(array))
+            writer.add(name, array)
         writer.close()
-        tmp.rename(final)
+        publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -405,7 +435,8 @@ def load(
 
     - `path`: the saved model's directory.
     - `mesh`: when given, every leaf is created with its `NamedSharding` (see `ShardingRules`)
-      and each device reads only its own part from disk.
+      and each device reads only its own part from disk. Required with several processes
+      (every one of them calls `load`; a save from any number of processes loads on any mesh).
     - `rules`: logical-to-mesh axis rules (default `ShardingRules()`).
     - `batch_bytes`: how much is read from disk per batch of leaves.
 
@@ -429,6 +460,10 @@ def load(
     )
     leaves, treedef = jax.tree_util.tree_flatten(skeleton)
     if mesh is None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"loading in {jax.process_count()} processes needs a mesh over their devices"
+            )
         leaf_shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
     else:
         leaf_shardings = jax.tree.leaves(named_shardings(skeleton, mesh, rules))

@@ -385,7 +385,12 @@ def expert_parallel(
     fsdp_ok = whole_blocks(w1, -1, mesh_axis("fsdp")) and whole_blocks(w2, -2, mesh_axis("fsdp"))
     fsdp = "fsdp" if mesh_axis("fsdp") > 1 and fsdp_ok else None
     tokens = batch_axes(x.shape[0])
-    reduce = ("expert",) + ((tensor,) if tensor else ())
+    # Tokens not split over fsdp (a batch it does not divide, e.g. one sequence decoding): each
+    # fsdp device computes the same outputs from the gathered weights, which JAX types as
+    # varying over fsdp. One of them keeps its outputs and the sum runs over fsdp too, which
+    # returns them exactly and lets the gradients of the gathered weights reduce correctly.
+    spread = fsdp is not None and "fsdp" not in (tokens or ())
+    reduce = ("expert",) + ((tensor,) if tensor else ()) + ((fsdp,) if spread else ())
 
     def gather(w, axis):
         # A quantised weight's values and scales are gathered alike (same rank, same axes).
@@ -412,6 +417,8 @@ def expert_parallel(
             policy=policy,
             numerics=experts.numerics,
         )
+        if spread:
+            y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
         return jax.lax.psum(y, reduce)
 
     row = P(tokens, None)

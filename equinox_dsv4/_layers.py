@@ -124,6 +124,10 @@ def set_rows(
     values = values.astype(a.dtype)
     rows, cols = index
     lead = () if layer is None else (layer,)
+    if a.shape[len(lead) + 1] == 0:
+        # No rows to write (e.g. HCA entries of a sequence shorter than one block): JAX cannot
+        # differentiate a scatter into an empty axis.
+        return a
     narrow = resolve(policy).narrow(a)
     batch = a.shape[len(lead)]
     if not narrow or rows.size > _FEW_WRITES or batch_axes(batch):

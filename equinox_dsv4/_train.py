@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from ._block import Block
+from ._distributed import barrier, is_primary, shared_token
 from ._model import DeepseekV4, Stats
 from ._moe import RouterStats
 from ._parallel import committed
@@ -358,6 +358,9 @@ def save_train_state(path: str | os.PathLike, state: TrainState, *, data_positio
 
     **Arguments:** `path`, the directory (replaced if it exists); `state`; `data_position`, where
     the data stream resumes (the caller's meaning, e.g. the next batch index).
+
+    With several processes every one calls it with the same arguments (a shared file system);
+    each writes the shards it holds.
     """
     from orbax.checkpoint.experimental import v1 as ocp
 
@@ -369,19 +372,25 @@ def save_train_state(path: str | os.PathLike, state: TrainState, *, data_positio
         "data_position": int(data_position),
         "leaves": [[list(x.shape), str(x.dtype)] for x in leaves],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp = path.with_name(f".{path.name}.tmp-{shared_token()}")
+    if is_primary():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    barrier(f"equinox_dsv4-state-tmp-{tmp}")
     try:
         ocp.save(tmp / "arrays", {f"{i:06d}": x for i, x in enumerate(leaves)})
-        (tmp / "train_state.json").write_text(json.dumps(meta) + "\n")
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        barrier(f"equinox_dsv4-state-written-{tmp}")
+        if is_primary():
+            (tmp / "train_state.json").write_text(json.dumps(meta) + "\n")
+            if path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(path)
+        barrier(f"equinox_dsv4-state-published-{path}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

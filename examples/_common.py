@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import equinox_dsv4 as ed
 
@@ -24,9 +25,13 @@ def new_parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def run_reporting_errors(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """`run(args)`; errors a user can fix (bad input or options, missing or unreadable files,
-    a bad checkpoint) are one line on stderr and exit status 1, not a traceback."""
+    """`run(args)`, after joining the other processes when the arguments ask for several (see
+    `add_mesh_arguments`); errors a user can fix (bad input or options, missing or unreadable
+    files, a bad checkpoint, an unreachable coordinator) are one line on stderr and exit status
+    1, not a traceback."""
     try:
+        if hasattr(args, "coordinator"):
+            ed.initialize_from_args(args)
         return run(args)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -44,6 +49,32 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--mesh` and the options of several processes (`ed.add_distributed_arguments`)."""
+    parser.add_argument(
+        "--mesh",
+        metavar="AXIS=N,...",
+        help="place the model on a mesh of all devices, e.g. fsdp=2,expert=4 (axes data, fsdp, "
+        "tensor, expert); default: one device, or with several processes fsdp over all",
+    )
+    ed.add_distributed_arguments(parser)
+
+
+def mesh_from(args: argparse.Namespace) -> Mesh | None:
+    """The mesh `--mesh` asks for (`None`: one device, unless there are several processes)."""
+    if args.mesh is None:
+        return ed.make_mesh(fsdp=jax.device_count()) if jax.process_count() > 1 else None
+    from equinox_dsv4.compile import parse_mesh
+
+    return ed.make_mesh(**parse_mesh(args.mesh))
+
+
+def say(*args, **kwargs) -> None:
+    """`print` to stderr, in process 0 only (the others run the same program silently)."""
+    if ed.is_primary():
+        print(*args, file=sys.stderr, **kwargs)
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
     """`--max-new-tokens`, `--temperature`, `--top-k`, `--top-p`."""
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -57,26 +88,33 @@ def sampling(args: argparse.Namespace) -> ed.Sampling:
 
 
 def load_model(
-    args: argparse.Namespace, *, mtp: bool | None = None, layers: int | None = None
+    args: argparse.Namespace,
+    *,
+    mtp: bool | None = None,
+    layers: int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[ed.DeepseekV4, str]:
     """The model the arguments name and a description of it.
 
     `mtp`: with or without the MTP blocks (`None`: the default model's one, a checkpoint's if
-    it has them); `layers`: the default model keeps only its first `layers` layers.
+    it has them); `layers`: the default model keeps only its first `layers` layers; `mesh`:
+    placed on it (a checkpoint read in parts: each device reads only what it holds).
     """
     dtype = jnp.dtype(args.dtype)
     if (args.checkpoint or args.hf) and layers is not None:
         raise ValueError("--layers applies to the default model only")
     if args.checkpoint:
-        return ed.load(args.checkpoint), args.checkpoint
+        return ed.load(args.checkpoint, mesh=mesh), args.checkpoint
     if args.hf:
         import convert
 
-        return convert.load_hf(args.hf, dtype=dtype, load_mtp=mtp), args.hf
+        return convert.load_hf(args.hf, dtype=dtype, load_mtp=mtp, mesh=mesh), args.hf
     config = ed.Config.tiny(**({} if mtp is None else {"num_nextn_predict_layers": int(mtp)}))
     if layers is not None:
         config = config.first_layers(layers)
     model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
+    if mesh is not None:  # every process built the same weights from the same seed
+        model = ed.shard(model, mesh)
     return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"
 
 

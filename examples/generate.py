@@ -7,19 +7,21 @@ shows the whole path working. Give `--checkpoint DIR` (a model saved by `python 
 """
 
 import argparse
-import sys
 import time
 
 import jax
 from _common import (
     TextStream,
+    add_mesh_arguments,
     add_model_arguments,
     add_sampling_arguments,
     check_vocabulary,
     load_model,
+    mesh_from,
     new_parser,
     run_reporting_errors,
     sampling,
+    say,
 )
 
 import equinox_dsv4 as ed
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         help="draft with the model's MTP blocks, verify with one main-model call per step "
         "(same tokens when greedy, same distribution when sampling)",
     )
+    add_mesh_arguments(parser)
     return run_reporting_errors(run, parser.parse_args(argv))
 
 
@@ -58,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the prompt has {len(prompt)} tokens, more than --max-len {args.max_len}")
 
     t0 = time.perf_counter()
-    model, described = load_model(args, mtp=args.speculative)
-    print(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    model, described = load_model(args, mtp=args.speculative, mesh=mesh_from(args))
+    say(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)")
     check_vocabulary(model)
 
     text_stream = TextStream()
@@ -69,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
         if not running[0]:
             return
         stamps.append(time.perf_counter())
-        print(text_stream.push(tokens[0]), end="", flush=True)
+        if ed.is_primary():
+            print(text_stream.push(tokens[0]), end="", flush=True)
 
-    print(args.prompt if args.raw else f"> {args.prompt}", file=sys.stderr)
+    say(args.prompt if args.raw else f"> {args.prompt}")
     start = time.perf_counter()
     stats: dict = {}
     ed.generate(
@@ -85,24 +89,23 @@ def run(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         stats=stats,
     )
-    print()
+    if ed.is_primary():
+        print()
     prefill = stamps[0] - start
-    print(
+    say(
         f"prefill: {len(prompt)} tokens in {prefill:.2f} s ({len(prompt) / prefill:.1f} tokens/s, "
-        "first call: includes compilation)",
-        file=sys.stderr,
+        "first call: includes compilation)"
     )
     if len(stamps) > 2:
         # From the second decode step on: the first one compiles.
         rate = (len(stamps) - 2) / (stamps[-1] - stamps[1])
-        print(f"decode: {len(stamps) - 1} tokens, {rate:.1f} tokens/s", file=sys.stderr)
+        say(f"decode: {len(stamps) - 1} tokens, {rate:.1f} tokens/s")
     if args.speculative and stats["steps"]:
-        print(
+        say(
             f"speculative: {stats['accepted']} of {stats['drafted']} drafts accepted "
             f"({stats['accepted'] / max(stats['drafted'], 1):.0%}), "
             f"{(stats['tokens'] - 1) / stats['steps']:.2f} tokens per main-model call "
-            f"(after the prefill's first token)",
-            file=sys.stderr,
+            f"(after the prefill's first token)"
         )
     return 0
 

@@ -23,7 +23,7 @@ import time
 
 import jax
 import numpy as np
-from _common import add_model_arguments, load_model, new_parser, run_reporting_errors
+from _common import add_model_arguments, load_model, new_parser, run_reporting_errors, say
 from tqdm import tqdm
 
 import equinox_dsv4 as ed
@@ -66,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         help="end this run after N steps, saving the state and the model (to fit a job's time "
         "slot); running the command again resumes, on the same learning-rate schedule",
     )
-    parser.add_argument("--fsdp", type=int, default=1, help="FSDP over this many devices")
+    parser.add_argument(
+        "--fsdp",
+        type=int,
+        help="FSDP over this many devices (default: 1, or all devices with several processes)",
+    )
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
+    ed.add_distributed_arguments(parser)
     return run_reporting_errors(run, parser.parse_args(argv))
 
 
@@ -84,15 +89,15 @@ def run(args: argparse.Namespace) -> int:
     state_dir = out / "train_state"
 
     t0 = time.perf_counter()
-    model, source = load_model(args, layers=args.layers)
+    fsdp = args.fsdp or (jax.device_count() if jax.process_count() > 1 else 1)
     mesh = None
-    if args.fsdp > 1:
-        if args.batch % args.fsdp:
-            raise ValueError(f"--batch {args.batch} is not divisible by --fsdp {args.fsdp}")
-        mesh = ed.make_mesh(fsdp=args.fsdp)
-        model = ed.shard(model, mesh)
-    print(f"model: {source} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    print(f"data: {args.text}, {len(tokens)} tokens", file=sys.stderr)
+    if fsdp > 1:
+        if args.batch % fsdp:
+            raise ValueError(f"--batch {args.batch} is not divisible by the fsdp size {fsdp}")
+        mesh = ed.make_mesh(fsdp=fsdp)
+    model, source = load_model(args, layers=args.layers, mesh=mesh)
+    say(f"model: {source} ({time.perf_counter() - t0:.1f} s)")
+    say(f"data: {args.text}, {len(tokens)} tokens")
 
     optimizer = ed.make_optimizer(
         args.lr,
@@ -113,14 +118,21 @@ def run(args: argparse.Namespace) -> int:
         position = 0
         if (state_dir / "train_state.json").is_file():
             state, position = ed.restore_train_state(state_dir, state)
-            print(f"resumed at step {int(state.step)} from {state_dir}", file=sys.stderr)
+            say(f"resumed at step {int(state.step)} from {state_dir}")
         start = int(state.step)
         if start >= args.steps:
-            print(f"already trained {start} >= --steps {args.steps} steps", file=sys.stderr)
+            say(f"already trained {start} >= --steps {args.steps} steps")
             return 0
 
         stop = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
-        bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", file=sys.stderr)
+        bar = tqdm(
+            total=args.steps,
+            initial=start,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            disable=not ed.is_primary(),
+        )
         seen, timed_from = 0, None
         for step in range(start, stop):
             batch = ed.Batch.from_tokens(windows(tokens, args.seq_len, args.batch, position))
@@ -141,12 +153,13 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
 
     model_dir = out / "model"
-    shutil.rmtree(model_dir, ignore_errors=True)
+    if ed.is_primary():
+        shutil.rmtree(model_dir, ignore_errors=True)
+    ed.barrier("examples-train-old-model-removed")
     ed.save(model_dir, state.model)
-    print(
+    say(
         f"trained steps {start}..{stop} of {args.steps}: final loss {loss:.4f}, "
-        f"{rate:.0f} tokens/s after the first step; state in {state_dir}, model in {model_dir}",
-        file=sys.stderr,
+        f"{rate:.0f} tokens/s after the first step; state in {state_dir}, model in {model_dir}"
     )
     return 0
 

@@ -129,7 +129,8 @@ def test_rules_refuse_one_mesh_axis_twice():
 
 def test_generate_on_a_sharded_model(single):
     model, _, _, _, _ = single
-    prompts = [[5, 6, 7], [8, 9]]
+    # Three rows: not split over fsdp (each fsdp device computes them all).
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     expected = ed.generate(model, prompts, max_new_tokens=4)
     sharded = ed.shard(model, ed.make_mesh(fsdp=2, expert=4))
     assert ed.generate(sharded, prompts, max_new_tokens=4) == expected

@@ -1,0 +1,156 @@
+"""Several processes, one mesh: two processes of four CPU devices each on loopback, as two
+hosts, against one process. Load a sharded release-layout checkpoint (each process reading only
+its experts), forward, greedy generation, a train step with its state saved and restored, saves
+restored in the other number of processes, the converter; and the failures: a process that
+dies, a coordinator that is not there."""
+
+import json
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hf_reference import C, H, S, reference_model, tiny_config
+from multihost import ROOT, free_port, launch, start
+from release_layout import write_release_checkpoint
+
+import convert
+import equinox_dsv4 as ed
+
+
+# Expert-heavy (64 routed experts of 128 hidden units beside 32-wide attention), so that splitting
+# the experts between the processes halves most of the bytes; HCA ratio 128 (transformers reads
+# only 0 / 4 / 128 from a release config).
+CONFIG = tiny_config(
+    layer_types=(S, C, H),
+    num_hash_layers=1,
+    compress_rate_hca=128,
+    n_routed_experts=64,
+    moe_intermediate_size=128,
+    num_attention_heads=8,
+    o_groups=4,
+    num_nextn_predict_layers=1,
+)
+rng = np.random.default_rng(25)
+IDS = rng.integers(0, CONFIG.vocab_size, (4, 24)).tolist()
+PROMPTS = [rng.integers(1, CONFIG.vocab_size, 9).tolist(), rng.integers(1, 97, 5).tolist()]
+NEW_TOKENS = 6
+TRAIN_TOKENS = rng.integers(0, CONFIG.vocab_size, (8, 17)).tolist()
+# fsdp inside each process, the experts split between the two processes.
+MESH = {"fsdp": 4, "expert": 2}
+
+
+def logits(model, ids=IDS):
+    return np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, jnp.asarray(ids, jnp.int32)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The checkpoint, a one-process save of it, the two-process run, and the one-process
+    model the results are compared with."""
+    root = tmp_path_factory.mktemp("multihost")
+    write_release_checkpoint(root / "release", CONFIG, reference_model(CONFIG, seed=25), shards=3)
+    single = convert.load_hf(root / "release", numerics="exact", load_mtp=False)
+    ed.save(root / "saved", single)
+    spec = {
+        "release": str(root / "release"),
+        "saved": str(root / "saved"),
+        "mesh": MESH,
+        "interleave": True,
+        "ids": IDS,
+        "prompts": PROMPTS,
+        "new_tokens": NEW_TOKENS,
+        "train_tokens": TRAIN_TOKENS,
+        "steps": ["load_hf", "forward", "generate", "load_saved", "train", "convert"],
+    }
+    reports = launch(spec, root / "out", timeout=900)
+    return root, single, reports, dict(np.load(root / "out" / "arrays.npz"))
+
+
+def test_two_processes_of_four_devices(run):
+    _, _, reports, _ = run
+    assert [(r["devices"], r["local"]) for r in reports] == [(8, 4), (8, 4)]
+
+
+def test_each_process_reads_its_experts_only(run):
+    _, _, reports, _ = run
+    fractions = [r["load_hf"]["bytes_read"] / r["load_hf"]["bytes_total"] for r in reports]
+    print(f"bytes read per process: {fractions} of {reports[0]['load_hf']['bytes_total']}")
+    assert all(f <= 0.6 for f in fractions)
+
+
+def test_forward_equals_one_process(run):
+    _, single, _, arrays = run
+    np.testing.assert_allclose(arrays["logits"], logits(single), atol=1e-4, rtol=1e-4)
+
+
+def test_generate_equals_one_process(run):
+    _, single, reports, _ = run
+    expected = ed.generate(single, PROMPTS, max_new_tokens=NEW_TOKENS)
+    expected = [list(map(int, row)) for row in expected]
+    assert [r["tokens"] for r in reports] == [expected, expected]
+
+
+def test_one_process_save_loads_in_two(run):
+    _, single, _, arrays = run
+    np.testing.assert_allclose(arrays["saved_logits"], logits(single), atol=1e-4, rtol=1e-4)
+
+
+def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
+    root, single, reports, _ = run
+    opt = optax.sgd(0.5)
+    step = ed.make_train_step(opt, donate=False)
+    batch = ed.Batch.from_tokens(np.asarray(TRAIN_TOKENS, np.int32))
+    new, metrics = step(ed.init_train_state(single, opt), batch)
+    for r in reports:
+        np.testing.assert_allclose(r["train"]["loss"], metrics["loss"], rtol=1e-6)
+        np.testing.assert_allclose(r["train"]["grad_norm"], metrics["grad_norm"], rtol=1e-5)
+        assert r["state_restored_equal"]
+    trained = ed.load(root / "out" / "trained")
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(new.model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(trained, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+    # The train state written by two processes, restored in one.
+    restored, position = ed.restore_train_state(
+        root / "out" / "state", ed.init_train_state(single, opt)
+    )
+    assert position == 7 and int(restored.step) == 1
+
+
+def test_convert_in_two_processes(run):
+    root, single, reports, _ = run
+    # Onto `expert` over all eight devices: each process reads its half of the experts.
+    assert all(r["convert"]["bytes"] <= 0.6 * r["convert"]["bytes_total"] for r in reports)
+    converted = ed.load(root / "out" / "converted")
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(single, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(converted, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_a_dead_process_stops_the_others(tmp_path):
+    spec = {"mesh": {"fsdp": 8}, "ids": IDS, "steps": ["die"], "heartbeat_timeout": 5}
+    with pytest.raises(AssertionError) as failed:
+        launch(spec, tmp_path, timeout=120)
+    text = str(failed.value)
+    assert "process 1: exit 3" in text
+    # Process 0 is stopped by JAX (heartbeats missed for 5 s), not by the time limit.
+    assert "process 0: exit None" not in text and "another task died" in text, text
+
+
+def test_an_absent_coordinator_is_an_error(tmp_path):
+    command = [sys.executable, "examples/generate.py", "--coordinator", f"127.0.0.1:{free_port()}"]
+    command += ["--num-processes", "2", "--process-id", "1", "--join-timeout", "5"]
+    (finished,) = start([command], devices=4, timeout=120)
+    assert finished.returncode == 1, finished.stderr
+    assert "error: process 1 of 2 could not join the coordinator at 127.0.0.1:" in finished.stderr
+    assert finished.seconds < 60
