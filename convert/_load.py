@@ -462,9 +462,7 @@ def convert(
             "bytes_total": stats["bytes_total"],
         }
     else:
-        summary = _stream(
-            hf_dir, out_dir, dtype, load_mtp, layers, progress, quantized, numerics
-        )
+        summary = _stream(hf_dir, out_dir, dtype, load_mtp, layers, progress, quantized, numerics)
     return {
         **summary,
         "seconds": time.perf_counter() - start,

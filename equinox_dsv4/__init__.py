@@ -1,8 +1,8 @@
 """DeepSeek-V4 (Flash / Pro) in JAX + Equinox.
 
 The names here are what a user calls: the model and its config, the cache, generation and
-sampling, the chat format, loading and saving, sharding, several processes, training. The components are in
-`equinox_dsv4.nn`; everything else stays importable from its private module.
+sampling, the chat format, loading and saving, sharding, several processes, training. The
+components are in `equinox_dsv4.nn`; everything else stays importable from its private module.
 """
 
 from . import nn as nn

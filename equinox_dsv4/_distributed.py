@@ -152,8 +152,11 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def initialize_from_args(args: argparse.Namespace) -> bool:
-    """`initialize` when the arguments (or the environment) ask for several processes; returns
-    whether it did."""
+    """`initialize` when the arguments (or the environment) ask for several processes and this
+    process has not joined them yet (e.g. a script's `main` called from a joined program);
+    returns whether it did."""
+    if jax.distributed.is_initialized():
+        return False
     wanted = (
         args.distributed
         or args.coordinator is not None

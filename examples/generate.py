@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         help="draft with the model's MTP blocks, verify with one main-model call per step "
         "(same tokens when greedy, same distribution when sampling)",
     )
+    parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
     add_mesh_arguments(parser)
     return run_reporting_errors(run, parser.parse_args(argv))
 
@@ -61,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the prompt has {len(prompt)} tokens, more than --max-len {args.max_len}")
 
     t0 = time.perf_counter()
-    model, described = load_model(args, mtp=args.speculative, mesh=mesh_from(args))
+    model, described = load_model(
+        args, mtp=args.speculative, layers=args.layers, mesh=mesh_from(args)
+    )
     say(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)")
     check_vocabulary(model)
 

@@ -65,6 +65,7 @@ def _release_compiled_code():
 # short tests then even out the two workers' ends.
 _FIRST = (
     "test_readme.py",
+    "test_multihost.py",
     "test_train.py",
     "test_decode.py",
     "test_tpu.py",
@@ -78,6 +79,7 @@ _FIRST = (
 # lock) run on one worker; every other test goes to whichever worker is free.
 _TOGETHER = {
     "test_convert.py": "convert",
+    "test_multihost.py": "multihost",
     "test_decode.py": "decode",
     "test_sharding.py": "sharding",
     "test_tpu.py": "tpu",

@@ -10,11 +10,15 @@ gathered arrays to `OUT/arrays.npz`. Steps:
 - `train`: one SGD step from the loaded model; its state saved, restored and compared here;
   the new model saved (`OUT/trained`);
 - `load_saved`: `equinox_dsv4.load` of `saved` (written by one process) onto the mesh, logits;
-- `convert`: `convert.convert` of the checkpoint into `OUT/converted`;
+- `convert`: `python -m convert` of the checkpoint into `OUT/converted` (its `main`);
+- `generate_script`: `examples/generate.py` (its `main`) on the embedded default, fsdp over all
+  devices; what each process printed;
 - `die`: process 1 exits; process 0 then waits for it in a collective (the test expects JAX
   to stop it with an error).
 """
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -46,10 +50,27 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import convert  # noqa: E402
+from convert import __main__ as convert_cli  # noqa: E402
 
 
-report: dict = {"process": process, "devices": jax.device_count(), "local": jax.local_device_count()}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+import generate as generate_script  # noqa: E402
+
+
+report: dict = {
+    "process": process,
+    "devices": jax.device_count(),
+    "local": jax.local_device_count(),
+}
 arrays: dict[str, np.ndarray] = {}
+
+
+def script(main, argv: list[str]) -> dict:
+    """Exit status and output of a script's `main(argv)`, run here."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        status = main(argv)
+    return {"status": status, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 
 
 def gathered(x) -> np.ndarray:
@@ -104,10 +125,11 @@ for step in spec["steps"]:
         saved = ed.load(spec["saved"], mesh=mesh)
         arrays["saved_logits"] = gathered(logits(saved, ids))
     elif step == "convert":
-        summary = convert.convert(
-            spec["release"], out / "converted", dtype=jnp.float32, load_mtp=False
-        )
-        report["convert"] = {k: summary[k] for k in ("tensors", "bytes", "bytes_total")}
+        argv = [spec["release"], str(out / "converted"), "--dtype", "float32", "--no-mtp"]
+        report["convert"] = script(convert_cli.main, argv + spec["flags"])
+    elif step == "generate_script":
+        argv = ["--max-new-tokens", "3", "--max-len", "48", "--layers", "2"]
+        report["generate_script"] = script(generate_script.main, argv + spec["flags"])
     elif step == "die":
         if process == 1:
             os._exit(3)

@@ -4,8 +4,7 @@ its experts), forward, greedy generation, a train step with its state saved and 
 restored in the other number of processes, the converter; and the failures: a process that
 dies, a coordinator that is not there."""
 
-import json
-import pathlib
+import re
 import sys
 
 import equinox as eqx
@@ -15,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from hf_reference import C, H, S, reference_model, tiny_config
-from multihost import ROOT, free_port, launch, start
+from multihost import free_port, launch, start
 from release_layout import write_release_checkpoint
 
 import convert
@@ -65,7 +64,17 @@ def run(tmp_path_factory):
         "prompts": PROMPTS,
         "new_tokens": NEW_TOKENS,
         "train_tokens": TRAIN_TOKENS,
-        "steps": ["load_hf", "forward", "generate", "load_saved", "train", "convert"],
+        "steps": [
+            "load_hf",
+            "forward",
+            "generate",
+            "load_saved",
+            "train",
+            "convert",
+            "generate_script",
+        ],
+        # What each script is given (a joined process ignores them; they must parse).
+        "flags": ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "0"],
     }
     reports = launch(spec, root / "out", timeout=900)
     return root, single, reports, dict(np.load(root / "out" / "arrays.npz"))
@@ -126,8 +135,15 @@ def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
 
 def test_convert_in_two_processes(run):
     root, single, reports, _ = run
-    # Onto `expert` over all eight devices: each process reads its half of the experts.
-    assert all(r["convert"]["bytes"] <= 0.6 * r["convert"]["bytes_total"] for r in reports)
+    # Onto `expert` over all eight devices (the default with several processes): each process
+    # reads its half of the experts. Only process 0 reports.
+    first, second = (r["convert"] for r in reports)
+    assert first["status"] == second["status"] == 0, first["stderr"] + second["stderr"]
+    assert "converted" in first["stderr"] and second["stderr"] == ""
+    read, total = re.search(
+        r"([\d.]+) MiB \(this process; all: ([\d.]+) MiB\)", first["stderr"]
+    ).groups()
+    assert float(read) <= 0.6 * float(total)
     converted = ed.load(root / "out" / "converted")
     for a, b in zip(
         jax.tree.leaves(eqx.filter(single, eqx.is_array)),
@@ -135,6 +151,14 @@ def test_convert_in_two_processes(run):
         strict=True,
     ):
         np.testing.assert_array_equal(b, a)
+
+
+def test_generate_script_in_two_processes(run):
+    _, _, reports, _ = run
+    first, second = (r["generate_script"] for r in reports)
+    assert first["status"] == second["status"] == 0, first["stderr"] + second["stderr"]
+    assert "decode: 2 tokens" in first["stderr"] and first["stdout"].strip()
+    assert second["stdout"] == second["stderr"] == ""  # only process 0 prints
 
 
 def test_a_dead_process_stops_the_others(tmp_path):

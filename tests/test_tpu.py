@@ -122,9 +122,7 @@ def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
     with jax.set_mesh(tpu_mesh):
         prefill = jax.jit(lambda m, i, c: m.decode(i, c, last_only=True)).lower(model, ids, cache)
     assert prefill.compile().memory_analysis().temp_size_in_bytes > 0
-    with jax.set_mesh(tpu_mesh):
-        forward = jax.jit(lambda m, i: m(i)).lower(model, ids)
-    assert forward.compile().memory_analysis().temp_size_in_bytes > 0
+    # (The full forward compiles inside the train step below.)
 
     optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
     with jax.set_mesh(tpu_mesh):
