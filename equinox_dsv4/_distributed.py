@@ -52,6 +52,8 @@ def initialize(
     `timeout_s`; if the coordinator is reached but not every process joins in time, JAX ends
     the processes with its own error ("DEADLINE_EXCEEDED ... RegisterTask").
     """
+    if jax.distributed.is_initialized():
+        raise RuntimeError("this process has already joined the others (initialize ran before)")
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     num_processes = _int_from(num_processes, ENV_NUM_PROCESSES)
     process_id = _int_from(process_id, ENV_PROCESS_ID)
@@ -62,21 +64,14 @@ def initialize(
     if coordinator is not None and process_id not in (None, 0):
         # JAX aborts the process (no Python error) when the coordinator cannot be reached.
         _wait_for(coordinator, timeout_s, f"process {process_id} of {num_processes}")
-    try:
-        jax.distributed.initialize(
-            coordinator,
-            num_processes,
-            process_id,
-            local_device_ids=local_device_ids,
-            initialization_timeout=timeout_s,
-            heartbeat_timeout_seconds=heartbeat_timeout_s,
-        )
-    except (RuntimeError, jax.errors.JaxRuntimeError) as e:
-        who = "this process" if process_id is None else f"process {process_id} of {num_processes}"
-        raise ConnectionError(
-            f"{who} could not join the coordinator at {coordinator or '(detected)'} within "
-            f"{timeout_s} s: {str(e).splitlines()[0]}"
-        ) from e
+    jax.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=timeout_s,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )
 
 
 def _wait_for(address: str, timeout_s: float, who: str) -> None:

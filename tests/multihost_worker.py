@@ -106,12 +106,15 @@ for step in spec["steps"]:
         report["tokens"] = [list(map(int, row)) for row in tokens]
     elif step == "train":
         opt = optax.sgd(0.5)
-        train_step = ed.make_train_step(opt, donate=False)
+        train_step = ed.make_train_step(opt, donate=False, remat=None)
         batch = ed.Batch.from_tokens(np.asarray(spec["train_tokens"], np.int32))
         with jax.set_mesh(mesh):
             start = ed.init_train_state(model, opt)
             new, metrics = train_step(start, batch)
             report["train"] = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+            leaves = jax.tree.leaves(eqx.filter(new.model, eqx.is_array))
+            split = [x for x in leaves if not x.sharding.is_fully_replicated]
+            report["split_after_step"] = [len(split), len(leaves)]
             ed.save_train_state(out / "state", new, data_position=7)
             restored, position = ed.restore_train_state(out / "state", start)
         same = jax.tree.map(
@@ -128,7 +131,7 @@ for step in spec["steps"]:
         argv = [spec["release"], str(out / "converted"), "--dtype", "float32", "--no-mtp"]
         report["convert"] = script(convert_cli.main, argv + spec["flags"])
     elif step == "generate_script":
-        argv = ["--max-new-tokens", "3", "--max-len", "48", "--layers", "2"]
+        argv = ["--max-new-tokens", "3", "--max-len", "48", "--layers", "1"]
         report["generate_script"] = script(generate_script.main, argv + spec["flags"])
     elif step == "die":
         if process == 1:

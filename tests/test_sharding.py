@@ -127,15 +127,6 @@ def test_rules_refuse_one_mesh_axis_twice():
         ed.make_mesh(fsdp=3)
 
 
-def test_generate_on_a_sharded_model(single):
-    model, _, _, _, _ = single
-    # Three rows: not split over fsdp (each fsdp device computes them all).
-    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    expected = ed.generate(model, prompts, max_new_tokens=4)
-    sharded = ed.shard(model, ed.make_mesh(fsdp=2, expert=4))
-    assert ed.generate(sharded, prompts, max_new_tokens=4) == expected
-
-
 def _dot_flops(jaxpr) -> float:
     # Matmul FLOPs of a jaxpr, a scan's body counted once per iteration. XLA's own cost
     # analysis counts a loop body once, and the dispatch runs its blocks in a loop.
