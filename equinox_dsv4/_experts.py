@@ -211,6 +211,17 @@ def _varying_like(init: Array, *operands: Any) -> Array:
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
+def _summed_like(grad: Array, weight: Array) -> Array:
+    # A weight's cotangent varies over the mesh axes its weight does: the tokens may vary over
+    # more (`data`, over which the weights are replicated), and the contributions of those
+    # axes' devices add up.
+    def varying(a):
+        return jax.typeof(a).manual_axis_type.varying
+
+    extra = tuple(sorted(varying(grad) - varying(weight)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
 def _hidden(xb, wb, w1e, w3e, act, dtype, policy):
     # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype,
     # as w2 takes it). `act`: (swiglu limit, numerics).
@@ -338,7 +349,7 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
         # A quantised weight is frozen (see `trainable`): no cotangent.
         grads = (d1, d2, d3)
         return (dxs, dws), tuple(
-            None if isinstance(w, QuantizedWeight) else g.astype(w.dtype)
+            None if isinstance(w, QuantizedWeight) else _summed_like(g, w).astype(w.dtype)
             for g, w in zip(grads, (w1, w2, w3), strict=True)
         )
 

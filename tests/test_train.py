@@ -1,6 +1,6 @@
 """Training: gradients against torch autograd through transformers, the loss terms worked out by
-hand, load balancing, overfitting a fixed text, bit-exact resume, remat memory. (A sharded step
-against one device: tests/test_multihost.py.)"""
+hand, load balancing, overfitting a fixed text, bit-exact resume, remat memory, a data x fsdp x
+expert step against one device (FSDP across processes: tests/test_multihost.py)."""
 
 import pathlib
 import subprocess
@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
@@ -288,6 +289,30 @@ def test_remat_lowers_train_step_temporaries():
     without, dots = _train_step_memory(None), _train_step_memory("dots")
     print(f"15-layer train step temporaries: no remat {without}, 'dots' {dots}")
     assert dots < 0.5 * without
+
+
+def test_data_fsdp_expert_train_step_equals_single_device():
+    # The experts' custom VJP runs under shard_map: the weights' cotangents must be summed over
+    # `data`, the axis that splits the tokens but not the weights.
+    config = _small(num_attention_heads=8, o_groups=4, num_nextn_predict_layers=0)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=6)
+    # Plain SGD: the update is the gradient itself (Adam's first step, g / |g|, would magnify
+    # float32 summation-order noise in near-zero gradient entries into full-size updates).
+    opt = optax.sgd(0.5)
+    step = ed.make_train_step(opt, donate=False, remat=None)
+    batch = ed.Batch.from_tokens(np.random.default_rng(6).integers(0, 97, (8, 21)))
+    single, m1 = step(ed.init_train_state(model, opt), batch)
+    mesh = ed.make_mesh(data=2, fsdp=2, expert=2)
+    with jax.set_mesh(mesh):
+        new, m2 = step(ed.init_train_state(ed.shard(model, mesh), opt), batch)
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(single.model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(new.model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_example_train_script(tmp_path):
