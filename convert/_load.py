@@ -23,7 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh
 
 import equinox_dsv4 as ed
 from equinox_dsv4._checkpoint import (
@@ -34,6 +34,7 @@ from equinox_dsv4._checkpoint import (
     canonical_to_path,
     publish,
     quantized_meta,
+    shardings_of,
     temporary_sibling,
     write_metadata,
 )
@@ -368,14 +369,7 @@ def load_hf(
 
     cache = _PieceCache(read_source, cache_bytes)
     leaves, treedef = jax.tree_util.tree_flatten(p.skeleton)
-    if mesh is None:
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"loading in {jax.process_count()} processes needs a mesh over their devices"
-            )
-        shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
-    else:
-        shardings = jax.tree.leaves(ed.named_shardings(p.skeleton, mesh, rules))
+    shardings = shardings_of(p.skeleton, mesh, rules)
     by_leaf: dict[int, list[Slot]] = collections.defaultdict(list)
     for slot in p.slots.values():
         by_leaf[slot.number].append(slot)

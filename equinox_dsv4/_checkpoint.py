@@ -362,7 +362,7 @@ class PieceWriter:
 
 def temporary_sibling(final: pathlib.Path) -> pathlib.Path:
     """Where a save to `final` is written before it is renamed into place: a name that every
-    process agrees on, made by process 0 (which raises `FileExistsError` if `final` exists)."""
+    process agrees on, the directory made by process 0. `FileExistsError` if `final` exists."""
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     tmp = final.with_name(f"{final.name}.tmp-{shared_token()}")
@@ -422,6 +422,19 @@ def read_config(path: str | os.PathLike) -> tuple[Config, Any, dict | None]:
     return config, jnp.dtype(meta["dtype"]), meta.get("quantized")
 
 
+def shardings_of(skeleton: DeepseekV4, mesh: Mesh | None, rules: ShardingRules | None) -> list:
+    """The sharding of each leaf (flattened) a loaded model gets: by `rules` on `mesh`, or all on
+    the first device without a mesh (one process only: several need a mesh over their devices).
+    """
+    if mesh is not None:
+        return jax.tree.leaves(named_shardings(skeleton, mesh, rules))
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"loading in {jax.process_count()} processes needs a mesh over their devices"
+        )
+    return [SingleDeviceSharding(jax.devices()[0])] * len(jax.tree.leaves(skeleton))
+
+
 def load(
     path: str | os.PathLike,
     *,
@@ -459,14 +472,7 @@ def load(
         ),
     )
     leaves, treedef = jax.tree_util.tree_flatten(skeleton)
-    if mesh is None:
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"loading in {jax.process_count()} processes needs a mesh over their devices"
-            )
-        leaf_shardings = [SingleDeviceSharding(jax.devices()[0])] * len(leaves)
-    else:
-        leaf_shardings = jax.tree.leaves(named_shardings(skeleton, mesh, rules))
+    leaf_shardings = shardings_of(skeleton, mesh, rules)
     by_leaf: dict[int, list[Slot]] = {}
     for slot in slots.values():
         by_leaf.setdefault(slot.number, []).append(slot)

@@ -201,13 +201,15 @@ def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
     return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
 
 
+def _varying(a: Array) -> frozenset:
+    # The mesh axes `a` varies over inside a shard_map.
+    return jax.typeof(a).manual_axis_type.varying
+
+
 def _varying_like(init: Array, *operands: Any) -> Array:
     # Under shard_map a loop's carry must vary over the same mesh axes as what the body adds to
     # it; a fresh zeros array varies over none.
-    def varying(a):
-        return jax.typeof(a).manual_axis_type.varying
-
-    axes = frozenset().union(*(varying(a) for a in jax.tree.leaves(operands))) - varying(init)
+    axes = frozenset().union(*(_varying(a) for a in jax.tree.leaves(operands))) - _varying(init)
     return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
@@ -215,10 +217,7 @@ def _summed_like(grad: Array, weight: Array) -> Array:
     # A weight's cotangent varies over the mesh axes its weight does: the tokens may vary over
     # more (`data`, over which the weights are replicated), and the contributions of those
     # axes' devices add up.
-    def varying(a):
-        return jax.typeof(a).manual_axis_type.varying
-
-    extra = tuple(sorted(varying(grad) - varying(weight)))
+    extra = tuple(sorted(_varying(grad) - _varying(weight)))
     return jax.lax.psum(grad, extra) if extra else grad
 
 
