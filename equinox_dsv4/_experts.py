@@ -31,6 +31,9 @@ from ._quant import QuantizedWeight, dense, whole_blocks
 
 # Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
 MAX_BLOCK_LOG2 = 7
+# Assignments (tokens x top-k, all devices) up to which `expert_parallel` moves tokens to the
+# weights instead of gathering the weights (a decode step; see there).
+STATIONARY_ROWS = 64
 # The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
 TAIL_ROWS = 16
 
@@ -378,7 +381,15 @@ def expert_parallel(
     `experts / mesh["expert"]` of them and computes the assignments of its tokens (split over
     the batch axes, replicated over `expert` and `tensor`) to those, with hidden units split
     over `tensor` when it divides them; the partial outputs are summed over both axes. This is
-    the official inference code's expert parallelism, as a `shard_map`."""
+    the official inference code's expert parallelism, as a `shard_map`.
+
+    The weights' `d_model` dim is split over `fsdp`. With many tokens each device gathers its
+    experts' weights over `fsdp`, one layer at a time, and computes its own tokens. With few
+    (at most `STATIONARY_ROWS` assignments in all, a decode step) the weights stay where they
+    are and the tokens travel instead: each device takes its `fsdp` group's tokens, multiplies
+    their slice of `d_model` by its slice of the chosen experts' weights, and the partial
+    products are summed over `fsdp` (gate and up) or handed back to the tokens' devices
+    (`w2`'s output), so a decode step moves activations, not every expert's weights."""
     mesh = jax.sharding.get_abstract_mesh()
     w1, w2 = experts.w1, experts.w2
     # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
@@ -402,35 +413,14 @@ def expert_parallel(
     spread = fsdp is not None and "fsdp" not in (tokens or ())
     reduce = ("expert",) + ((tensor,) if tensor else ()) + ((fsdp,) if spread else ())
 
-    def gather(w, axis):
-        # A quantised weight's values and scales are gathered alike (same rank, same axes).
-        if not fsdp:
-            return w
-        return jax.tree.map(lambda a: jax.lax.all_gather(a, fsdp, axis=axis, tiled=True), w)
-
-    def local(x, indices, weights, w1, w2, w3):
-        w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)
-        first = jax.lax.axis_index("expert") * w1.shape[0]
-        mine = (indices >= first) & (indices < first + w1.shape[0])
-        local_ids = jnp.where(mine, indices - first, w1.shape[0])  # others: dropped
-        # The gathered weights are a value, not a parameter (see `dispatch`).
-        mine_weights = jnp.where(mine, weights, 0.0)
-        y = dispatch(
-            x,
-            local_ids,
-            mine_weights,
-            w1,
-            w2,
-            w3,
-            experts.limit,
-            True,
-            policy=policy,
-            numerics=experts.numerics,
+    if fsdp is not None and x.shape[0] * indices.shape[1] <= STATIONARY_ROWS:
+        local = functools.partial(
+            _stationary, experts=experts, fsdp=fsdp, split=not spread, reduce=reduce, policy=policy
         )
-        if spread:
-            y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
-        return jax.lax.psum(y, reduce)
-
+    else:
+        local = functools.partial(
+            _gathering, experts=experts, fsdp=fsdp, spread=spread, reduce=reduce, policy=policy
+        )
     row = P(tokens, None)
     return jax.shard_map(
         local,
@@ -445,3 +435,76 @@ def expert_parallel(
         ),
         out_specs=row,
     )(x, indices, weights, experts.w1, experts.w2, experts.w3)
+
+
+def _mine(indices, weights, n_local):
+    # This device's experts among the assignments: local ids (others: `n_local`, dropped) and
+    # the routing weights with the others' zeroed.
+    first = jax.lax.axis_index("expert") * n_local
+    mine = (indices >= first) & (indices < first + n_local)
+    return jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
+
+
+def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce, policy):
+    # Many tokens: this device's experts' weights gathered over fsdp, its own tokens computed.
+    def gather(w, axis):
+        # A quantised weight's values and scales are gathered alike (same rank, same axes).
+        if not fsdp:
+            return w
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, fsdp, axis=axis, tiled=True), w)
+
+    w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)
+    local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
+    # The gathered weights are a value, not a parameter (see `dispatch`).
+    y = dispatch(
+        x,
+        local_ids,
+        mine_weights,
+        w1,
+        w2,
+        w3,
+        experts.limit,
+        True,
+        policy=policy,
+        numerics=experts.numerics,
+    )
+    if spread:
+        y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
+    return jax.lax.psum(y, reduce)
+
+
+def _stationary(x, indices, weights, w1, w2, w3, *, experts, fsdp, split, reduce, policy):
+    # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
+    # device's slice of `d_model` of the chosen experts' weights.
+    if split:
+        x, indices, weights = (
+            jax.lax.all_gather(a, fsdp, tiled=True) for a in (x, indices, weights)
+        )
+    reduce = tuple(a for a in reduce if a != fsdp)
+    n_local, width = w1.shape[0], w1.shape[-1]
+    local_ids, mine_weights = _mine(indices, weights, n_local)
+    tokens, top_k = indices.shape
+    rows = tokens * top_k
+    chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
+    part = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(fsdp) * width, width, axis=1)
+    x_rows = jnp.broadcast_to(part[:, None], (tokens, top_k, width)).reshape(rows, width)
+
+    def product(a, w):
+        return linear(a[None], w, dtype=jnp.float32, policy=policy)[0]
+
+    g = jax.vmap(product)(x_rows, w1[chosen])
+    u = jax.vmap(product)(x_rows, w3[chosen])
+    g, u = jax.lax.psum((g, u), fsdp)
+    limit, numerics = experts.limit, experts.numerics
+    h = swiglu(g, u, limit) * mine_weights.reshape(rows)[:, None]
+    h = act_quant(h.astype(x.dtype), numerics)
+    y = jax.vmap(product)(h, w2[chosen])
+    y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
+    y = jnp.sum(y.reshape(tokens, top_k, width), axis=1)
+    if split:  # each device's tokens back to it, whole `d_model`
+        return jax.lax.all_to_all(jax.lax.psum(y, reduce), fsdp, 0, 1, tiled=True)
+    # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
+    # fsdp with the rest (an all-gather would leave the result typed as varying over fsdp).
+    whole = _varying_like(jnp.zeros((tokens, width * mesh_axis(fsdp)), y.dtype), y)
+    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index(fsdp) * width, 1)
+    return jax.lax.psum(whole, reduce + (fsdp,))

@@ -4,8 +4,8 @@ Builds the model abstractly (`eqx.filter_eval_shape`, nothing allocated), places
 of N devices (simulated CPU devices unless real ones exist) by the sharding rules, lowers and
 compiles a prefill of `--prefill` tokens and one decode step with the compressed KV cache, and
 prints XLA's per-device memory analysis (arguments, outputs, temporaries, generated code), the
-cost analysis FLOPs and the compile times. This is how to check that a model and mesh fit before
-renting the hardware.
+cost analysis (FLOPs, bytes accessed) and the compile times. This is how to check that a model
+and mesh fit before renting the hardware.
 
 With `--topology` (e.g. `v5p:4x4x4`; needs `pip install libtpu`, not a TPU) the programs are
 compiled by XLA's TPU compiler for that topology's chips, and the memory figures are the TPU's
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--mtp", action="store_true", help="include the MTP block's weights")
     parser.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="every layer unrolled (Config.scan_layers=False): XLA's cost analysis counts a "
+        "loop's body once, so only an unrolled program's FLOPs and bytes cover every layer",
+    )
+    parser.add_argument(
         "--topology",
         help="compile for the chips of this TPU topology (e.g. v5p:4x4x4; needs libtpu) "
         "instead of simulated CPU devices; the mesh must use all of them",
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "split over fsdp and expert, expert stacks over expert (experts) and fsdp (embed)",
     )
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--hlo", help="write each phase's compiled HLO text to HLO.PHASE.txt")
     args = parser.parse_args(argv)
     try:
         mesh_shape = parse_mesh(args.mesh)
@@ -172,7 +179,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     ]()
     if not args.mtp:
         config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
-    config = dataclasses.replace(config, numerics=args.numerics)
+    config = dataclasses.replace(config, numerics=args.numerics, scan_layers=not args.unrolled)
     devices = _devices(args)
     mesh = _mesh(devices, mesh_shape)
     batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
@@ -205,6 +212,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "platform": devices[0].platform,
         "quantized": args.quantized,
         "numerics": args.numerics,
+        "unrolled": args.unrolled,
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,
@@ -238,6 +246,9 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
+        if args.hlo:
+            with open(f"{args.hlo}.{phase}.txt", "w") as f:
+                f.write(compiled.as_text())
         memory = compiled.memory_analysis()
         cost = compiled.cost_analysis() or {}
         row = {
@@ -250,6 +261,8 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
             "temp_bytes": memory.temp_size_in_bytes,
             "generated_code_bytes": memory.generated_code_size_in_bytes,
             "flops": cost.get("flops"),
+            "bytes_accessed": cost.get("bytes accessed"),
+            "transcendentals": cost.get("transcendentals"),
         }
         results["phases"][phase] = row
         print(

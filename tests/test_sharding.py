@@ -4,6 +4,7 @@ FLOPs follow top-k, not the number of experts."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -182,3 +183,33 @@ def test_compile_command(tmp_path):
     assert "| prefill (64 tok)" in result.stdout
     bad = subprocess.run(cmd[:-6] + ["--mesh", "fsdp=3"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 1 and "does not match 8 devices" in bad.stderr
+
+
+def _gathered_expert_stacks(hlo: str, local: tuple[int, ...]) -> int:
+    # All-gathers whose result is one device's routed experts with `d_model` whole.
+    n = 0
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
+        if m and tuple(int(d) for d in m[1].split(",") if d)[-3:] in local:
+            n += 1
+    return n
+
+
+def test_decode_moves_tokens_not_expert_weights(single):
+    # With d_model split over fsdp, a decode step's few tokens go to the expert weights
+    # (`STATIONARY_ROWS`); a prefill's many tokens gather each layer's experts, as before.
+    model, ids, _, prefill, steps = single
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    sharded = ed.shard(model, mesh)
+    e, f, d = CONFIG.n_routed_experts // 2, CONFIG.moe_intermediate_size, CONFIG.hidden_size
+    local = {(e, f, d), (e, d, f)}
+    with jax.set_mesh(mesh):
+        cache = ed.shard_cache(sharded.init_cache(8, 32), mesh)
+        many = _decode.lower(sharded, ids[:, :20], cache).compile().compiled.as_text()
+        out, cache = _decode(sharded, ids[:, :20], cache)
+        np.testing.assert_allclose(out, prefill, atol=1e-5, rtol=1e-5)
+        few = _decode.lower(sharded, ids[:, 20:21], cache).compile().compiled.as_text()
+        out, cache = _decode(sharded, ids[:, 20:21], cache)
+        np.testing.assert_allclose(out, steps[0], atol=1e-5, rtol=1e-5)
+    assert _gathered_expert_stacks(many, local) > 0
+    assert _gathered_expert_stacks(few, local) == 0
