@@ -28,9 +28,10 @@ token through the top-k chosen of each of the config's layers' expert stacks, ou
 runs it (`_experts.dispatch`, one jitted call for all layers), torch with `F.linear` on the
 chosen experts' views (`w[e]`, no copy), alternating, as GB/s of the chosen weights.
 
-    python benchmarks/decode_profile.py [--dtype float32] [--context 4096]
+    python benchmarks/decode_profile.py [--dtype float32] [--context 4096] [--batch 1]
 
-Writes benchmarks/results/decode_profile[-bfloat16].{json,md}.
+With `--batch B` above 1 the floor is `batched_decode.floor_bytes` (the experts B tokens touch,
+and each row's cache reads). Writes benchmarks/results/decode_profile[-bfloat16][-batch-B].*
 """
 
 import argparse
@@ -42,6 +43,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+from batched_decode import floor_bytes
 from common import block, markdown, set_threads, small_config, timed_pair, write
 from decode import WARMUP
 from decode_floor import step_bytes
@@ -60,24 +62,23 @@ CLASSES = (
 )
 
 
-def stepper(model, context: int):
-    """Our decode step after a prefill of `context` distinct tokens (one call decodes one token
-    and blocks), and the compiled step's HLO text."""
-    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, context))
-    cache = model.init_cache(1, context + 256)
+def stepper(model, context: int, batch: int):
+    """Our decode step after a prefill of `context` distinct tokens per row (one call decodes
+    one token per row and blocks), and the compiled step's HLO text."""
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context))
+    cache = model.init_cache(batch, context + 256)
     greedy, key = ed.Sampling(), jax.random.key(0)
     token, cache = ed.prefill(
-        model, jnp.asarray(ids, jnp.int32), jnp.asarray([context]), cache, key, greedy, 2048
+        model, jnp.asarray(ids, jnp.int32), jnp.full((batch,), context), cache, key, greedy, 2048
     )
-    hlo = (
-        ed.decode_step.lower(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
-        .compile()
-        .compiled.as_text()
-    )
+    active = jnp.ones((batch,), jnp.int32)
+    hlo = ed.decode_step.lower(model, token, active, cache, key, greedy).compile()
+    hlo = hlo.compiled.as_text()
 
     def step():
         nonlocal token, cache
-        token, cache = ed.decode_step(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
+        active = jnp.ones((batch,), jnp.int32)
+        token, cache = ed.decode_step(model, token, active, cache, key, greedy)
         block(token)
 
     step()
@@ -235,6 +236,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded at once")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile-steps", type=int, default=10)
     args = parser.parse_args()
@@ -242,7 +244,7 @@ def main() -> int:
     dtype = jnp.dtype(args.dtype)
     config = small_config()
     model = ed.DeepseekV4(config, key=jax.random.key(0), dtype=dtype)
-    step, hlo_text = stepper(model, args.context)
+    step, hlo_text = stepper(model, args.context, args.batch)
     hlo, calls = instructions(hlo_text)
 
     # The yardstick is a float32 stream whatever the step's dtype: the machine's bandwidth.
@@ -252,7 +254,11 @@ def main() -> int:
     timing = timed_pair(step, lambda: block(head(x, head_w)), args.steps, WARMUP)
     step_s, head_s = timing["ours_seconds"], timing["reference_seconds"]
     head_bytes = head_w.size * 4
-    weights = step_bytes(config, dtype)
+    weights = (
+        step_bytes(config, dtype)
+        if args.batch == 1
+        else floor_bytes(config, args.batch, args.context, dtype.itemsize)
+    )
     floor_s = weights / head_bytes * head_s
     fraction = floor_s / step_s
     kernels = profile(step, args.profile_steps, hlo, calls, config.vocab_size)
@@ -263,6 +269,7 @@ def main() -> int:
     row = {
         "dtype": args.dtype,
         "context": args.context,
+        "batch": args.batch,
         "step_ms": 1e3 * step_s,
         "head_alone_ms": 1e3 * head_s,
         "head_GBps": head_bytes / head_s / 1e9,
@@ -276,10 +283,17 @@ def main() -> int:
         "head_alone": head_kernel,
     }
     table = markdown(
-        ["dtype", "step ms", "weights MiB", "float32 head alone ms (GB/s)", "floor ms", "of floor"],
+        [
+            "dtype",
+            "step ms",
+            "weights MiB",
+            "float32 head alone ms (GB/s)",
+            "floor ms",
+            "of floor",
+        ],
         [
             [
-                args.dtype,
+                args.dtype + ("" if args.batch == 1 else f", batch {args.batch}"),
                 f"{row['step_ms']:.2f}",
                 f"{weights / 2**20:.0f}",
                 f"{row['head_alone_ms']:.2f} ({row['head_GBps']:.1f})",
@@ -311,6 +325,7 @@ def main() -> int:
         ],
     )
     suffix = "" if args.dtype == "float32" else f"-{args.dtype}"
+    suffix += "" if args.batch == 1 else f"-batch-{args.batch}"
     write("decode_profile" + suffix, [row], table, {"config": config.to_hf(), "threads": threads})
     return 0
 

@@ -52,10 +52,12 @@ import equinox_dsv4 as ed
 PEAK_FLOPS = 459e12
 HBM_BYTES_PER_S = 2765e9
 PREFILL = 4096
-# name -> (model, quantised, topology, mesh)
+# name -> (model, quantised, topology, mesh, phases, experts' STATIONARY_ROWS or None)
 RUNS = {
-    "flash-b-64": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8"),
-    "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8"),
+    "flash-b-64": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
+    "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
+    # The decode step as before Round 19: every chip gathers its experts' weights over fsdp.
+    "flash-b-64-gather": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("decode",), 0),
 }
 
 
@@ -64,8 +66,13 @@ def compile_report(name: str, phase: str, work: pathlib.Path) -> dict:
     unrolled prefill takes about 13 minutes to compile here, the decode step 3)."""
     out = work / f"{name}-{phase}.json"
     if not out.exists():
-        model, quantized, topology, mesh = RUNS[name]
+        model, quantized, topology, mesh, _, stationary = RUNS[name]
         cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", model, "--unrolled"]
+        if stationary is not None:
+            patch = "import equinox_dsv4._experts as e, runpy, sys; "
+            patch += f"e.STATIONARY_ROWS = {stationary}; sys.argv[0] = 'compile'; "
+            patch += "runpy.run_module('equinox_dsv4.compile', run_name='__main__')"
+            cmd = [sys.executable, "-c", patch, "--model", model, "--unrolled"]
         cmd += ["--topology", topology, "--mesh", mesh, "--phases", phase]
         cmd += ["--prefill", str(PREFILL), "--json", str(out), "--hlo", str(work / name)]
         cmd += [a for rule in RULES for a in ("--rule", rule)]
@@ -190,14 +197,14 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     rows, table, breakdown = [], [], []
     for name in args.only or RUNS:
-        model, quantized, topology, mesh = RUNS[name]
-        reports = {phase: compile_report(name, phase, work) for phase in ("prefill", "decode")}
+        model, quantized, topology, mesh, phases, _ = RUNS[name]
+        reports = {phase: compile_report(name, phase, work) for phase in phases}
         report = reports["decode"]
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
         chips, batch = report["devices"], report["batch"]
         floor = floors(config, quantized, chips, batch)
-        for phase in ("prefill", "decode"):
+        for phase in phases:
             r = reports[phase]["phases"][phase]
             flops, nbytes = r["flops"], r["bytes_accessed"]
             compute, memory = flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S
@@ -236,7 +243,7 @@ def main() -> int:
             rows.append(row)
             table.append(
                 [
-                    f"{model}, {row['weights']}",
+                    f"{model}, {row['weights']}" + (", before" if name.endswith("gather") else ""),
                     f"{chips} ({topology}), {mesh}",
                     f"{phase}, {tokens} tokens",
                     f"{flops / 1e12:.2f} / {f['flops'] / 1e12:.2f} "

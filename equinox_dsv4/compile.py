@@ -247,8 +247,13 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         compiled = lowered.compile()
         t2 = time.perf_counter()
         if args.hlo:
-            with open(f"{args.hlo}.{phase}.txt", "w") as f:
-                f.write(compiled.as_text())
+            try:
+                text = compiled.as_text()
+            except jax.errors.JaxRuntimeError as e:  # seen for a TPU prefill: XLA's printer
+                print(f"{phase}: no HLO text ({e})", file=sys.stderr)
+            else:
+                with open(f"{args.hlo}.{phase}.txt", "w") as f:
+                    f.write(text)
         memory = compiled.memory_analysis()
         cost = compiled.cost_analysis() or {}
         row = {
