@@ -36,23 +36,20 @@ from common import (
     small_config,
     timed,
     timed_pair,
+    weight_kinds,
     write,
 )
 from decode import WARMUP
-from decode_floor import step_bytes
 
 import equinox_dsv4 as ed
 
 
 def floor_bytes(config: ed.Config, batch: int, context: int, itemsize: int) -> float:
     """Bytes one decode step of `batch` sequences after `context` tokens must read."""
-    weights = step_bytes(config, np.float32 if itemsize == 4 else jnp.bfloat16)
-    per_expert_all = _routed_bytes(config, itemsize)
+    kinds = weight_kinds(config, jnp.float32 if itemsize == 4 else jnp.bfloat16)
     k, e = config.num_experts_per_tok, config.n_routed_experts
     touched = 1 - (1 - k / e) ** batch
-    # step_bytes counts k/E of the routed experts and one embedding row: rescale both.
-    weights += per_expert_all * (touched - k / e)
-    weights += (batch - 1) * config.hidden_size * itemsize
+    weights = kinds["other"] + kinds["experts"] * touched + kinds["row"] * batch
     d, di = config.head_dim, config.index_head_dim
     per_row = 0
     for layer in config.layer_types:
@@ -63,12 +60,6 @@ def floor_bytes(config: ed.Config, batch: int, context: int, itemsize: int) -> f
         elif layer == ed.HCA:
             per_row += context // config.compress_rate_hca * d
     return weights + batch * per_row * itemsize
-
-
-def _routed_bytes(config: ed.Config, itemsize: int) -> float:
-    layers = config.num_hidden_layers
-    per_layer = 3 * config.n_routed_experts * config.moe_intermediate_size * config.hidden_size
-    return float(layers * per_layer * itemsize)
 
 
 def ours_stepper(model, prompts: np.ndarray, batch: int, feed: np.ndarray):

@@ -61,6 +61,28 @@ def small_config(layers: int = 8, **overrides) -> ed.Config:
     return ed.Config(**base)
 
 
+def weight_kinds(config: ed.Config, dtype, quantized: bool = False) -> dict[str, float]:
+    """The model's weight bytes by kind, as stored in `dtype` (or, `quantized`, as the release's
+    FP8/FP4 values with their scales): `tables` (the embedding and the hash routers' token
+    tables, read one row per token), `row` (one row of each), `experts` (the routed experts,
+    all layers) and `other` (everything else)."""
+    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    if quantized:
+        model = ed.abstract_quantized(model)
+    kinds = {"tables": 0.0, "row": 0.0, "experts": 0.0, "other": 0.0}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
+        name = jax.tree_util.keystr(path)
+        nbytes = float(np.prod(leaf.shape)) * leaf.dtype.itemsize
+        if ".embed." in name or name.endswith(".tid2eid"):
+            kinds["tables"] += nbytes
+            kinds["row"] += nbytes / leaf.shape[-2]
+        elif ".experts." in name:
+            kinds["experts"] += nbytes
+        else:
+            kinds["other"] += nbytes
+    return kinds
+
+
 def reference_and_ours(config: ed.Config, dtype, seed: int = 0):
     """A random transformers model and our model with the same weights, both in `dtype`."""
     reference = _random_reference(config, seed)

@@ -17,11 +17,19 @@ Writes benchmarks/results/decode_floor.{json,md}.
 
 import argparse
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import block, markdown, reference_model, set_threads, small_config, timed, write
+from common import (
+    block,
+    markdown,
+    reference_model,
+    set_threads,
+    small_config,
+    timed,
+    weight_kinds,
+    write,
+)
 from decode import WARMUP, reference_stepper
 
 import equinox_dsv4 as ed
@@ -30,17 +38,9 @@ import equinox_dsv4 as ed
 def step_bytes(config: ed.Config, dtype) -> int:
     """Weight bytes one decoded token must read: all of them, except that the embedding and the
     hash routers' tables give one row each and the routed experts `top_k / n_experts`."""
-    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
-    total = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
-        name = jax.tree_util.keystr(path)
-        nbytes = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-        if name.endswith(".embed.weight") or name.endswith(".tid2eid"):
-            nbytes //= leaf.shape[-2]
-        elif ".experts." in name:
-            nbytes = nbytes * config.num_experts_per_tok // config.n_routed_experts
-        total += nbytes
-    return total
+    kinds = weight_kinds(config, dtype)
+    experts = kinds["experts"] * config.num_experts_per_tok / config.n_routed_experts
+    return int(kinds["other"] + kinds["row"] + experts)
 
 
 def main() -> int:

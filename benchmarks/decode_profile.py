@@ -36,10 +36,9 @@ and each row's cache reads). Writes benchmarks/results/decode_profile[-bfloat16]
 
 import argparse
 import collections
-import glob
 import re
-import tempfile
 
+import hlo
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,8 +71,8 @@ def stepper(model, context: int, batch: int):
         model, jnp.asarray(ids, jnp.int32), jnp.full((batch,), context), cache, key, greedy, 2048
     )
     active = jnp.ones((batch,), jnp.int32)
-    hlo = ed.decode_step.lower(model, token, active, cache, key, greedy).compile()
-    hlo = hlo.compiled.as_text()
+    text = ed.decode_step.lower(model, token, active, cache, key, greedy).compile()
+    text = text.compiled.as_text()
 
     def step():
         nonlocal token, cache
@@ -82,43 +81,15 @@ def stepper(model, context: int, batch: int):
         block(token)
 
     step()
-    return step, hlo
+    return step, text
 
 
-def instructions(hlo: str) -> tuple[dict[str, tuple[str, str, str]], dict[str, list[str]]]:
-    """Instruction name -> (result shape, opcode, operand text) for every instruction, and
-    fusion name -> the instructions of the computation it calls."""
-    pattern = r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)"
-    table = {m[1]: (m[2], m[3], m[4]) for m in re.finditer(pattern, hlo, re.M)}
-    bodies, current = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            current = bodies.setdefault(head[1], [])
-        elif current is not None and (m := re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)):
-            current.append(m[1])
-    calls = {}
-    for m in re.finditer(
-        r"^\s*(?:ROOT )?%?([\w.\-]+) = .* fusion\(.*calls=%?([\w.\-]+)", hlo, re.M
-    ):
-        calls[m[1]] = bodies.get(m[2], [])
-    return table, calls
-
-
-def shape_bytes(shape: str) -> int:
-    m = re.match(r"(\w+)\[([\d,]*)\]", shape)
-    if not m:
-        return 0
-    size = {"f32": 4, "bf16": 2, "s32": 4, "u8": 1, "f8e4m3fn": 1}.get(m[1], 4)
-    return size * int(np.prod([int(d) for d in m[2].split(",") if d] or [1]))
-
-
-def classify(name: str, seconds: float, hlo: dict, calls: dict, vocab: int) -> str:
-    shape, opcode, _ = hlo.get(name, ("", "", ""))
-    dots = [d for d in calls.get(name, [name]) if hlo.get(d, ("", ""))[1] == "dot"]
-    if dots and any(re.search(rf"\b{vocab}\]", hlo[d][0]) for d in dots):
+def classify(name: str, seconds: float, table: dict, computations: dict, vocab: int) -> str:
+    dots = hlo.products(name, table, computations)
+    if any(re.search(rf"\b{vocab}\]", table[d].shape) for d in dots):
         return "output head"
-    if "dynamic-slice" in name and shape_bytes(shape) >= 64 * 1024:
+    shape = table[name].shape if name in table else ""
+    if "dynamic-slice" in name and hlo.shape_bytes(shape) >= 64 * 1024:
         return "routed experts: weight copies"
     if dots:
         return "matrix-vector products"
@@ -127,28 +98,13 @@ def classify(name: str, seconds: float, hlo: dict, calls: dict, vocab: int) -> s
     return "other"
 
 
-def profile(step, steps: int, hlo: dict, calls: dict, vocab: int) -> dict:
+def profile(step, steps: int, table: dict, computations: dict, vocab: int) -> dict:
     """Per class: kernels per step and milliseconds per step (XLA:CPU's thunk events)."""
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(steps):
-            step()
-        jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
     ms, count = collections.Counter(), collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if "XLAEigen" not in line.name:
-                continue
-            for event in line.events:
-                name = event.name
-                if name.startswith(("ThunkExecutor", "while", "end: ")):
-                    continue
-                seconds = event.duration_ns / 1e9
-                cls = classify(name, seconds, hlo, calls, vocab)
-                ms[cls] += 1e3 * seconds / steps
-                count[cls] += 1 / steps
+    for name, seconds in hlo.kernel_events(step, steps):
+        cls = classify(name, seconds, table, computations, vocab)
+        ms[cls] += 1e3 * seconds / steps
+        count[cls] += 1 / steps
     return {c: {"ms": ms[c], "kernels": count[c]} for c in CLASSES}
 
 
@@ -245,7 +201,7 @@ def main() -> int:
     config = small_config()
     model = ed.DeepseekV4(config, key=jax.random.key(0), dtype=dtype)
     step, hlo_text = stepper(model, args.context, args.batch)
-    hlo, calls = instructions(hlo_text)
+    table, computations = hlo.parse(hlo_text)
 
     # The yardstick is a float32 stream whatever the step's dtype: the machine's bandwidth.
     w = model.embed.weight
@@ -261,7 +217,7 @@ def main() -> int:
     )
     floor_s = weights / head_bytes * head_s
     fraction = floor_s / step_s
-    kernels = profile(step, args.profile_steps, hlo, calls, config.vocab_size)
+    kernels = profile(step, args.profile_steps, table, computations, config.vocab_size)
     traced = sum(k["ms"] for k in kernels.values())
     alone = experts_alone(config, dtype, args.steps)
     head_kernel = head_alone(np.asarray(head_w), dtype, args.steps)

@@ -1,6 +1,6 @@
 """Which XLA:CPU kernels cap the bfloat16 prefill, and by how much.
 
-Our jitted prefill (`prefill.py`'s: the small config, batch 1, `--tokens` tokens, last
+Our jitted prefill (`prefill.prefill`: the small config, batch 1, `--tokens` tokens, last
 position's logits) is timed, then traced with `jax.profiler`; every XLA:CPU kernel whose
 compiled instruction is a dot, or a fusion containing one, is a matrix product, and its FLOPs
 are counted from the compiled program's shapes (2 x result elements x contracted size). In the
@@ -18,11 +18,8 @@ Writes benchmarks/results/prefill_profile[-float32].{json,md}.
 
 import argparse
 import collections
-import glob
 import re
-import tempfile
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,67 +34,27 @@ from common import (
     timed_pair,
     write,
 )
-from prefill import matmul_flops_per_second, prefill_flops
+from hlo import dims, kernel_events, parse, products
+from prefill import matmul_flops_per_second, prefill, prefill_flops
 
 import equinox_dsv4 as ed
 
 
-@eqx.filter_jit
-def prefill(model, ids):
-    cache = model.init_cache(ids.shape[0], ids.shape[1])
-    return model.decode(ids, cache, last_only=True)[0]
-
-
-def parse(hlo: str) -> tuple[dict, dict]:
-    """(instruction name -> (shape, opcode, operands, line), fusion name -> called computation
-    name) of a compiled HLO module's text."""
-    pattern = r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)(.*)$"
-    table = {m[1]: (m[2], m[3], m[4], m[5]) for m in re.finditer(pattern, hlo, re.M)}
-    computations, current = collections.defaultdict(list), None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            current = head[1]
-        else:
-            m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = ", line)
-            if m and current:
-                computations[current].append(m[1])
-    return table, computations
-
-
-def dims(shape: str) -> list[int]:
-    m = re.match(r"\w+\[([\d,]*)\]", shape)
-    return [int(d) for d in m[1].split(",") if d] if m else []
-
-
 def dot_flops(name: str, table: dict) -> float:
-    shape, _, operands, rest = table[name]
-    lhs = table.get(operands.split(",")[0].strip().lstrip("%"))
-    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+    dot = table[name]
+    lhs = table.get(dot.operands[0]) if dot.operands else None
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.attributes)
     if lhs is None or m is None:
         return 0.0
-    contracted = np.prod([dims(lhs[0])[int(i)] for i in m[1].split(",") if i] or [1])
-    return 2.0 * float(np.prod(dims(shape) or [1])) * float(contracted)
+    contracted = np.prod([dims(lhs.shape)[int(i)] for i in m[1].split(",") if i] or [1])
+    return 2.0 * float(np.prod(dims(dot.shape) or [1])) * float(contracted)
 
 
-def products(name: str, table: dict, computations: dict) -> list[str]:
-    """The dots `name` computes: itself, or the dots of the computation it calls."""
-    if name not in table:
-        return []
-    _, opcode, _, rest = table[name]
-    if opcode == "dot":
-        return [name]
-    called = re.search(r"calls=%?([\w.\-]+)", rest)
-    if opcode != "fusion" or not called:
-        return []
-    return [n for n in computations.get(called[1], []) if table.get(n, ("", ""))[1] == "dot"]
-
-
-def signature(dot: str, table: dict) -> str:
-    shape, _, operands, rest = table[dot]
-    ops = [table.get(o.strip().lstrip("%"), ("?",))[0] for o in operands.split(",")]
-    contract = re.findall(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}", rest)
-    return f"{' x '.join(ops)} -> {shape} contract {dict(contract)}"
+def signature(name: str, table: dict) -> str:
+    dot = table[name]
+    ops = [table[o].shape if o in table else "?" for o in dot.operands]
+    contract = re.findall(r"(lhs|rhs)_contracting_dims=\{([\d,]*)\}", dot.attributes)
+    return f"{' x '.join(ops)} -> {dot.shape} contract {dict(contract)}"
 
 
 def main() -> int:
@@ -114,37 +71,22 @@ def main() -> int:
     config = small_config()
     model = ed.DeepseekV4(config, key=jax.random.key(0), dtype=dtype)
     ids = jnp.asarray(random_ids(1, args.tokens))
-    hlo = prefill.lower(model, ids).compile().compiled.as_text()
-    table, computations = parse(hlo)
+    table, computations = parse(prefill.lower(model, ids).compile().compiled.as_text())
     peak = matmul_flops_per_second(dtype)
     seconds = timed(lambda: block(prefill(model, ids)), args.repeats)
     useful = prefill_flops(config, args.tokens)
 
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(args.repeats):
-            block(prefill(model, ids))
-        jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(path)
     mm_s = other_s = mm_flops = 0.0
     by_shape = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if "XLAEigen" not in line.name:
-                continue
-            for event in line.events:
-                name = event.name
-                if name.startswith(("ThunkExecutor", "while", "end: ", "call")):
-                    continue
-                s = event.duration_ns / 1e9 / args.repeats
-                dots = products(name, table, computations)
-                if dots:
-                    mm_s += s
-                    mm_flops += sum(dot_flops(n, table) for n in dots) / args.repeats
-                    by_shape[signature(dots[0], table)] += s
-                else:
-                    other_s += s
+    for name, kernel_s in kernel_events(lambda: block(prefill(model, ids)), args.repeats):
+        s = kernel_s / args.repeats
+        dots = products(name, table, computations)
+        if dots:
+            mm_s += s
+            mm_flops += sum(dot_flops(n, table) for n in dots) / args.repeats
+            by_shape[signature(dots[0], table)] += s
+        else:
+            other_s += s
     row = {
         "dtype": args.dtype,
         "tokens": args.tokens,

@@ -52,6 +52,15 @@ RUNS = {
 }
 
 
+def compile_arguments(
+    model: str, quantized: bool, topology: str, mesh: str, phases: str, out: pathlib.Path
+) -> list[str]:
+    """`python -m equinox_dsv4.compile`'s arguments for a run on the recommended rules."""
+    args = ["--model", model, "--topology", topology, "--mesh", mesh, "--phases", phases]
+    args += ["--json", str(out)] + [a for rule in RULES for a in ("--rule", rule)]
+    return args + (["--quantized"] if quantized else [])
+
+
 def run(name: str, work: pathlib.Path) -> dict | None:
     """The run's report; `{"error": ...}` when XLA refused to compile it (kept, not retried)."""
     out, refused = work / f"{name}.json", work / f"{name}.error"
@@ -60,10 +69,8 @@ def run(name: str, work: pathlib.Path) -> dict | None:
     if not out.exists():
         model, quantized, chips, phases, *numerics = RUNS[name]
         topology, mesh = TOPOLOGIES[chips]
-        cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", model]
-        cmd += ["--topology", topology, "--mesh", mesh, "--phases", phases, "--json", str(out)]
-        cmd += [a for rule in RULES for a in ("--rule", rule)]
-        cmd += ["--quantized"] if quantized else []
+        cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
+        cmd += compile_arguments(model, quantized, topology, mesh, phases, out)
         cmd += ["--numerics", numerics[0]] if numerics else []
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -38,11 +38,12 @@ import subprocess
 import sys
 
 import equinox as eqx
+import hlo
 import jax
 import numpy as np
-from common import ROOT, markdown, write
+from common import ROOT, markdown, weight_kinds, write
 from prefill import prefill_flops
-from tpu_memory import RULES
+from tpu_memory import RULES, compile_arguments
 
 import equinox_dsv4 as ed
 
@@ -67,16 +68,14 @@ def compile_report(name: str, phase: str, work: pathlib.Path) -> dict:
     out = work / f"{name}-{phase}.json"
     if not out.exists():
         model, quantized, topology, mesh, _, stationary = RUNS[name]
-        cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", model, "--unrolled"]
+        cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
         if stationary is not None:
             patch = "import equinox_dsv4._experts as e, runpy, sys; "
             patch += f"e.STATIONARY_ROWS = {stationary}; sys.argv[0] = 'compile'; "
             patch += "runpy.run_module('equinox_dsv4.compile', run_name='__main__')"
-            cmd = [sys.executable, "-c", patch, "--model", model, "--unrolled"]
-        cmd += ["--topology", topology, "--mesh", mesh, "--phases", phase]
-        cmd += ["--prefill", str(PREFILL), "--json", str(out), "--hlo", str(work / name)]
-        cmd += [a for rule in RULES for a in ("--rule", rule)]
-        cmd += ["--quantized"] if quantized else []
+            cmd = [sys.executable, "-c", patch]
+        cmd += compile_arguments(model, quantized, topology, mesh, phase, out)
+        cmd += ["--unrolled", "--prefill", str(PREFILL), "--hlo", str(work / name)]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
@@ -84,67 +83,27 @@ def compile_report(name: str, phase: str, work: pathlib.Path) -> dict:
     return json.loads(out.read_text())
 
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1}
-_ITEMSIZE |= {"bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", text):
-        if dtype in _ITEMSIZE:
-            total += _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-    return total
-
-
-def bytes_written(hlo: str) -> collections.Counter:
+def bytes_written(text: str) -> collections.Counter:
     """Bytes each kind of top-level operation of a compiled module writes (its results; a
     fusion at its boundary), by kind: the opcode, or a fusion's name without its number. The
     writes, not the reads: a slice or gather reads a part of an operand that the text does not
     say, and counting whole operands would charge it the whole."""
-    fused = set(re.findall(r"calls=%?([\w.\-]+)", hlo))
-    out, current = collections.Counter(), None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head:
-            current = head[1]
+    table, _ = hlo.parse(text)
+    fused = hlo.fused_computations(table)
+    out = collections.Counter()
+    for name, instruction in table.items():
+        if instruction.computation in fused or instruction.opcode in _FREE:
             continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\(", line)
-        if not m or current in fused:
-            continue
-        name, shape, opcode = m[1], m[2], m[3]
-        if opcode in _FREE:
-            continue
-        kind = re.sub(r"[.\d]+$", "", name) if opcode == "fusion" else opcode
-        out[kind] += _shape_bytes(shape)
+        kind = (
+            re.sub(r"[.\d]+$", "", name) if instruction.opcode == "fusion" else instruction.opcode
+        )
+        out[kind] += hlo.shape_bytes(instruction.shape)
     return out
 
 
 # Operations that move no data of their own.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call"}
 _FREE |= {"conditional", "copy-done", "all-gather-done", "after-all", "partition-id"}
-
-
-def weight_bytes(config: ed.Config, quantized: bool) -> dict[str, float]:
-    """Weight bytes by kind, as stored (bf16, or FP8/FP4 values with their scales): `tables`
-    (the embedding and the hash routers' token tables, read one row per token), `row` (one row
-    of each), `experts` (the routed experts, all layers) and `other` (everything else)."""
-    model = eqx.filter_eval_shape(
-        ed.DeepseekV4, config, key=jax.random.key(0), dtype=jax.numpy.bfloat16
-    )
-    if quantized:
-        model = ed.abstract_quantized(model)
-    kinds = {"tables": 0.0, "row": 0.0, "experts": 0.0, "other": 0.0}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
-        name = jax.tree_util.keystr(path)
-        nbytes = float(np.prod(leaf.shape)) * leaf.dtype.itemsize
-        if ".embed." in name or name.endswith(".tid2eid"):
-            kinds["tables"] += nbytes
-            kinds["row"] += nbytes / leaf.shape[-2]
-        elif ".experts." in name:
-            kinds["experts"] += nbytes
-        else:
-            kinds["other"] += nbytes
-    return kinds
 
 
 def active_parameters(config: ed.Config) -> float:
@@ -166,7 +125,7 @@ def active_parameters(config: ed.Config) -> float:
 def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[str, dict]:
     """Per-chip floor (seconds) of a prefill of `batch` x PREFILL tokens and of a decode step of
     `batch` tokens, each with its bytes and FLOPs."""
-    kinds = weight_bytes(config, quantized)
+    kinds = weight_kinds(config, jax.numpy.bfloat16, quantized)
     e, k = config.n_routed_experts, config.num_experts_per_tok
     touched = 1 - (1 - k / e) ** batch
     decode_bytes = kinds["other"] + kinds["experts"] * touched + kinds["row"] * batch

@@ -411,7 +411,7 @@ def expert_parallel(
     # varying over fsdp. One of them keeps its outputs and the sum runs over fsdp too, which
     # returns them exactly and lets the gradients of the gathered weights reduce correctly.
     spread = fsdp is not None and "fsdp" not in (tokens or ())
-    reduce = ("expert",) + ((tensor,) if tensor else ()) + ((fsdp,) if spread else ())
+    reduce = ("expert",) + ((tensor,) if tensor else ())
 
     if fsdp is not None and x.shape[0] * indices.shape[1] <= STATIONARY_ROWS:
         local = functools.partial(
@@ -470,6 +470,7 @@ def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce
     )
     if spread:
         y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
+        reduce += (fsdp,)
     return jax.lax.psum(y, reduce)
 
 
@@ -480,7 +481,6 @@ def _stationary(x, indices, weights, w1, w2, w3, *, experts, fsdp, split, reduce
         x, indices, weights = (
             jax.lax.all_gather(a, fsdp, tiled=True) for a in (x, indices, weights)
         )
-    reduce = tuple(a for a in reduce if a != fsdp)
     n_local, width = w1.shape[0], w1.shape[-1]
     local_ids, mine_weights = _mine(indices, weights, n_local)
     tokens, top_k = indices.shape

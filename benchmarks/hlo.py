@@ -1,0 +1,104 @@
+"""Reading XLA's compiled HLO text and XLA:CPU's profiler traces, for the scripts that put a
+step's time or bytes on its kernels (`decode_profile.py`, `prefill_profile.py`,
+`tpu_roofline.py`)."""
+
+import glob
+import re
+import tempfile
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e8m0fnu": 1, "f4e2m1fn": 1}
+_ITEMSIZE |= {"bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)(.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+
+
+class Instruction(NamedTuple):
+    shape: str  # the result's shape text, a tuple's included
+    opcode: str
+    operands: list[str]  # operand instruction names
+    attributes: str  # the rest of the line
+    computation: str  # the computation it belongs to
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array in a shape text (a tuple's elements summed)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", text):
+        if dtype in _ITEMSIZE:
+            total += _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def dims(shape: str) -> list[int]:
+    """The dimensions of a shape text's first array."""
+    m = re.search(r"\w+\[([\d,]*)\]", shape)
+    return [int(d) for d in m[1].split(",") if d] if m else []
+
+
+def parse(hlo: str) -> tuple[dict[str, Instruction], dict[str, list[str]]]:
+    """Every instruction of a compiled module's text by name, and each computation's
+    instruction names."""
+    table, computations, current = {}, {}, ""
+    for line in hlo.splitlines():
+        head = _COMPUTATION.match(line)
+        if head:
+            current = head[1]
+            computations[current] = []
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            operands = [o.strip().lstrip("%") for o in m[4].split(",") if o.strip()]
+            table[m[1]] = Instruction(m[2], m[3], operands, m[5], current)
+            computations.setdefault(current, []).append(m[1])
+    return table, computations
+
+
+def fused_computations(table: dict[str, Instruction]) -> set[str]:
+    """The computations that fusions call (their instructions run inside another kernel)."""
+    return {c for i in table.values() if i.opcode == "fusion" for c in _called(i)}
+
+
+def products(name: str, table: dict[str, Instruction], computations: dict) -> list[str]:
+    """The dots kernel `name` computes: itself, or the dots of the computation its fusion
+    calls."""
+    instruction = table.get(name)
+    if instruction is None:
+        return []
+    if instruction.opcode == "dot":
+        return [name]
+    if instruction.opcode != "fusion":
+        return []
+    inside = [n for c in _called(instruction) for n in computations.get(c, [])]
+    return [n for n in inside if table[n].opcode == "dot"]
+
+
+def _called(instruction: Instruction) -> list[str]:
+    return re.findall(r"calls=%?([\w.\-]+)", instruction.attributes)
+
+
+def kernel_events(fn: Callable[[], None], calls: int) -> list[tuple[str, float]]:
+    """`(kernel name, seconds)` of every XLA:CPU kernel (thunk) that `calls` calls of `fn`
+    ran, from a `jax.profiler` trace; loops, calls and the executor's own events, which
+    contain kernels, are left out."""
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(calls):
+            fn()
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    events = []
+    for plane in data.planes:
+        for line in plane.lines:
+            if "XLAEigen" not in line.name:
+                continue
+            for event in line.events:
+                if not event.name.startswith(("ThunkExecutor", "while", "end: ", "call")):
+                    events.append((event.name, event.duration_ns / 1e9))
+    return events
