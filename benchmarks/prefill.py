@@ -39,34 +39,6 @@ from common import (
 import equinox_dsv4 as ed
 
 
-def prefill_flops(config: ed.Config, tokens: int) -> float:
-    """Useful FLOPs (2 per multiply-add) of a batch-1 prefill: what the math needs, not what an
-    implementation happens to compute (no masked logits, no padding)."""
-    d, h, k = config.hidden_size, config.num_attention_heads, config.head_dim
-    w, n = config.sliding_window, config.hc_mult
-    t = np.arange(tokens)
-    total = 0.0
-    for layer_type in config.layer_types:
-        per_token = 2 * 2 * n * d * (2 + n) * n  # two mHC sites
-        per_token += 2 * (d * config.q_lora_rank + config.q_lora_rank * h * k + d * k)
-        per_token += 2 * (h * k * config.o_lora_rank + config.o_groups * config.o_lora_rank * d)
-        per_token += 2 * d * config.n_routed_experts
-        per_token += 3 * 2 * d * config.moe_intermediate_size * (config.num_experts_per_tok + 1)
-        keys = np.minimum(t + 1, w).astype(float)
-        if layer_type == ed.HCA:
-            per_token += 2 * 2 * d * k
-            keys += (t + 1) // config.compress_rate_hca
-        if layer_type == ed.CSA:
-            di, hi = config.index_head_dim, config.index_n_heads
-            per_token += 2 * 2 * d * 2 * k + 2 * 2 * d * 2 * di  # compressor + index keys
-            per_token += 2 * (config.q_lora_rank * hi * di + d * hi)
-            visible = (t + 1) // config.compress_rate_csa
-            total += float(np.sum(2 * hi * di * visible))  # index scores
-            keys += np.minimum(visible, config.index_topk)
-        total += tokens * per_token + float(np.sum(2 * 2 * h * k * keys))
-    return total + 2 * d * config.vocab_size  # head, last position
-
-
 @eqx.filter_jit
 def prefill(model, ids):
     """Ours: a prefill from an empty cache, the last position's logits (as `generate` runs it)."""
@@ -122,7 +94,7 @@ def main() -> int:
             )
             ours_s, ours_faults = timing["ours_seconds"], timing["ours_faults"]
             ref_s, ref_faults = timing["reference_seconds"], timing["reference_faults"]
-            flops = prefill_flops(config, length)
+            flops = ed.forward_flops(config, length)
             row = {
                 "dtype": dtype_name,
                 "tokens": length,

@@ -5,7 +5,7 @@ position's logits) is timed, then traced with `jax.profiler`; every XLA:CPU kern
 compiled instruction is a dot, or a fusion containing one, is a matrix product, and its FLOPs
 are counted from the compiled program's shapes (2 x result elements x contracted size). In the
 same run: a large `jnp.dot` (2048^3, float32 result, `common.fast_matmul`) gives the matmul rate
-the issue's target is stated against; the prefill's useful FLOPs (`prefill.prefill_flops`)
+the issue's target is stated against; the prefill's useful FLOPs (`ed.forward_flops`)
 over its time give its share of that rate; the products' own rate bounds what the prefill
 could reach if everything else took no time. The `--top` products that take longest are then
 timed alone, same shapes and dtype, in XLA (as our layers compute them: bf16 operands, float32
@@ -35,7 +35,7 @@ from common import (
     write,
 )
 from hlo import dims, kernel_events, parse, products
-from prefill import matmul_flops_per_second, prefill, prefill_flops
+from prefill import matmul_flops_per_second, prefill
 
 import equinox_dsv4 as ed
 
@@ -74,7 +74,7 @@ def main() -> int:
     table, computations = parse(prefill.lower(model, ids).compile().compiled.as_text())
     peak = matmul_flops_per_second(dtype)
     seconds = timed(lambda: block(prefill(model, ids)), args.repeats)
-    useful = prefill_flops(config, args.tokens)
+    useful = ed.forward_flops(config, args.tokens)
 
     mm_s = other_s = mm_flops = 0.0
     by_shape = collections.Counter()

@@ -9,7 +9,7 @@ one layer of each scanned group. XLA's per-chip FLOPs and bytes accessed become 
 v5p's published peak (`PEAK_FLOPS`, `HBM_BYTES_PER_S`): `max(FLOPs / peak, bytes / bandwidth)`,
 compute and memory traffic overlapped perfectly. The floor counts what the step must do:
 
-- prefill: the model's useful FLOPs (`prefill.prefill_flops`, per sequence) over the slice's
+- prefill: the model's useful FLOPs (`ed.forward_flops`, per sequence) over the slice's
   peak, and every weight read once over the slice's bandwidth; the larger of the two.
 - decode: the weight bytes the batch must read (embedding and hash tables one row per
   sequence, each layer's routed experts the expected fraction a batch of `B` tokens touches
@@ -37,21 +37,18 @@ import re
 import subprocess
 import sys
 
-import equinox as eqx
 import hlo
 import jax
-import numpy as np
 from common import ROOT, markdown, weight_kinds, write
-from prefill import prefill_flops
 from tpu_memory import RULES, compile_arguments
 
 import equinox_dsv4 as ed
+from equinox_dsv4.compile import TPU_PEAKS
 
 
 # Published per-chip figures for TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16,
 # 2,765 GB/s HBM2e.
-PEAK_FLOPS = 459e12
-HBM_BYTES_PER_S = 2765e9
+PEAK_FLOPS, HBM_BYTES_PER_S = TPU_PEAKS["v5p"]
 PREFILL = 4096
 # name -> (model, quantised, topology, mesh, phases, experts' STATIONARY_ROWS or None)
 RUNS = {
@@ -106,22 +103,6 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
 _FREE |= {"conditional", "copy-done", "all-gather-done", "after-all", "partition-id"}
 
 
-def active_parameters(config: ed.Config) -> float:
-    """Parameters one token's forward multiplies by: all but the embedding table (one row) and
-    the routed experts (top-k of them); the head counted here too."""
-    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0))
-    total = 0.0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(model):
-        name = jax.tree_util.keystr(path)
-        n = float(np.prod(leaf.shape))
-        if ".embed." in name or name.endswith(".tid2eid"):
-            continue
-        if ".experts." in name:
-            n *= config.num_experts_per_tok / config.n_routed_experts
-        total += n
-    return total
-
-
 def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[str, dict]:
     """Per-chip floor (seconds) of a prefill of `batch` x PREFILL tokens and of a decode step of
     `batch` tokens, each with its bytes and FLOPs."""
@@ -129,9 +110,9 @@ def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[s
     e, k = config.n_routed_experts, config.num_experts_per_tok
     touched = 1 - (1 - k / e) ** batch
     decode_bytes = kinds["other"] + kinds["experts"] * touched + kinds["row"] * batch
-    decode_flops = 2 * active_parameters(config) * batch
+    decode_flops = 2 * ed.active_parameters(config) * batch
     prefill_bytes = kinds["tables"] + kinds["experts"] + kinds["other"]
-    prefill_fl = prefill_flops(config, PREFILL) * batch
+    prefill_fl = ed.forward_flops(config, PREFILL) * batch
     out = {}
     for phase, nbytes, flops in (
         ("prefill", prefill_bytes, prefill_fl),

@@ -29,6 +29,11 @@ from ._distributed import (
     initialize_from_args as initialize_from_args,
     is_primary as is_primary,
 )
+from ._flops import (
+    active_parameters as active_parameters,
+    forward_flops as forward_flops,
+    train_flops as train_flops,
+)
 from ._generate import (
     decode_step as decode_step,
     generate as generate,
@@ -65,6 +70,7 @@ from ._tokenizer import (
 from ._train import (
     Batch as Batch,
     TrainState as TrainState,
+    abstract_train_state as abstract_train_state,
     balance_loss as balance_loss,
     cross_entropy as cross_entropy,
     init_train_state as init_train_state,
@@ -143,6 +149,10 @@ __all__ = [
     "make_optimizer",
     "make_train_step",
     "init_train_state",
+    "abstract_train_state",
+    "forward_flops",
+    "train_flops",
+    "active_parameters",
     "save_train_state",
     "restore_train_state",
     "trainable",

@@ -187,6 +187,7 @@ def loss_and_stats(
         mtp, _ = cross_entropy(model.head(h, dtype=jnp.float32, policy=policy), targets, mask)
         loss = loss + mtp_weight * mtp
         aux["mtp"], aux["mtp_stats"] = mtp, mtp_stats
+        aux["mtp_tokens"] = jnp.sum(mask)
     if balance_weight:
         balance = balance_loss(model, stats)
         loss = loss + balance_weight * balance
@@ -250,6 +251,54 @@ def init_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation)
     return committed(state)
 
 
+def abstract_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation) -> TrainState:
+    """The `TrainState` that `init_train_state(model, optimizer)` would give, as
+    `jax.ShapeDtypeStruct`s, for a `model` of `ShapeDtypeStruct`s (`eqx.filter_eval_shape`,
+    placed with `named_shardings`): nothing is allocated. Every copy of the parameters in the
+    optimizer state (Adam's moments) takes the parameters' shardings, leaf by leaf, and the
+    other leaves (step counts) are replicated on the parameters' mesh. For compiling a train
+    step ahead of time (`TrainStep.lower`) or restoring one (`restore_train_state`).
+
+    `jax.eval_shape` of `init_train_state` keeps no shardings, and compiling it leaves their
+    choice to XLA's propagation, which may replicate the moments whole on every device."""
+
+    def is_abstract(x: Any) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct)
+
+    state = eqx.filter_eval_shape(init_train_state, model, optimizer)
+    spec = eqx.filter_eval_shape(trainable, model)
+    leaves = [x for x in jax.tree.leaves(model, is_leaf=is_abstract) if is_abstract(x)]
+    meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
+    if len(meshes) != 1 or len(leaves) != sum(x.sharding is not None for x in leaves):
+        raise ValueError(
+            "abstract_train_state needs a model of jax.ShapeDtypeStructs all placed on one mesh "
+            "(eqx.filter_eval_shape, then named_shardings); got "
+            f"{len(meshes)} meshes over {len(leaves)} leaves"
+        )
+    replicated = NamedSharding(meshes.pop(), PartitionSpec())
+    params = eqx.filter(model, spec, is_leaf=is_abstract)
+    structure = jax.tree.structure(params, is_leaf=is_abstract)
+
+    def is_params(node: Any) -> bool:
+        return jax.tree.structure(node, is_leaf=is_abstract) == structure
+
+    def place(node: Any) -> Any:
+        def with_sharding(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+        if is_params(node):
+            return jax.tree.map(
+                lambda x, p: with_sharding(x, p.sharding), node, params, is_leaf=is_abstract
+            )
+        return jax.tree.map(lambda x: with_sharding(x, replicated), node, is_leaf=is_abstract)
+
+    opt_state = jax.tree.map(
+        place, state.opt_state, is_leaf=lambda n: is_abstract(n) or is_params(n)
+    )
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    return eqx.tree_at(lambda s: (s.model, s.opt_state, s.step), state, (model, opt_state, step))
+
+
 def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
@@ -257,6 +306,7 @@ def make_train_step(
     balance_weight: float = 1e-4,
     bias_update_rate: float = 1e-3,
     remat: str | None = "dots",
+    micro_batches: int = 1,
     donate: bool = True,
     policy: Policy | None = None,
 ) -> "TrainStep":
@@ -270,6 +320,15 @@ def make_train_step(
     - `balance_weight`: weight of the sequence-wise balance loss.
     - `bias_update_rate`: step of the auxiliary-loss-free router-bias update (0 disables it).
     - `remat`: rematerialisation policy per layer (`REMAT_POLICIES`), or `None`.
+    - `micro_batches`: gradient accumulation. The batch's sequences are split into this many
+      equal micro-batches, run one after another (activations of one micro-batch alive at a
+      time), and their gradients summed into those of the whole batch: the losses are
+      weighted by each micro-batch's share of the batch's counted tokens (the balance loss by
+      its share of sequences) and the expert loads are summed, so the step equals the
+      one-pass step up to summation order. Each device's rows must split evenly: micro-batch
+      `i` takes every `micro_batches`-th sequence starting at `i`, so a batch sharded over
+      devices keeps each micro-batch spread over all of them. Gradients accumulate in the
+      parameters' dtype.
     - `donate`: donate the incoming state's buffers (the caller must not reuse it).
     - `policy`: the execution `Policy` (default: decided per call from the state's platform).
 
@@ -277,12 +336,15 @@ def make_train_step(
     `grad_norm` and the per-layer expert `load` of the step (float32).
     """
 
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+
     def step(batch: Batch, state: TrainState, policy: Policy):
         spec = trainable(state.model)
         params, frozen = eqx.partition(state.model, spec)
 
-        def objective(params):
-            return loss_and_stats(
+        def objective(params, batch, weights):
+            loss, aux = loss_and_stats(
                 eqx.combine(params, frozen),
                 batch,
                 mtp_weight=mtp_weight,
@@ -290,8 +352,27 @@ def make_train_step(
                 remat=remat,
                 policy=policy,
             )
+            if weights is None:
+                return loss, aux
+            # This micro-batch's part of the whole batch's objective.
+            lm, mtp, balance = weights
+            zero = jnp.zeros((), jnp.float32)
+            aux = {
+                "lm": aux["lm"] * aux["tokens"] / lm,
+                "mtp": aux.get("mtp", zero) * aux.get("mtp_tokens", zero) / mtp,
+                "balance": aux.get("balance", zero) * balance,
+                "tokens": aux["tokens"],
+                "stats": aux["stats"],
+                "mtp_stats": aux["mtp_stats"],
+            }
+            return aux["lm"] + mtp_weight * aux["mtp"] + balance_weight * aux["balance"], aux
 
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        gradient = jax.value_and_grad(objective, has_aux=True)
+        if micro_batches == 1:
+            (loss, aux), grads = gradient(params, batch, None)
+        else:
+            (loss, aux), grads = _accumulated(gradient, params, batch, micro_batches)
+
         # optax mixes Python scalars with int32 counters, which strict promotion rejects.
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
@@ -312,6 +393,32 @@ def make_train_step(
         return TrainState(model, opt_state, state.step + 1), metrics
 
     return TrainStep(step, donate, policy)
+
+
+def _accumulated(gradient, params, batch: Batch, k: int):
+    # `gradient(params, micro_batch, weights)` summed over `k` micro-batches in a scan.
+    rows = batch.input_ids.shape[0]
+    if rows % k:
+        raise ValueError(f"a batch of {rows} sequences does not split into {k} micro-batches")
+    micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(rows // k, k, *a.shape[1:]), 0, 1), batch)
+    # The whole batch's normalisers: counted positions of the LM and MTP losses (as
+    # `loss_and_stats` masks them), and micro-batches for the per-sequence balance mean.
+    mtp_mask = batch.loss_mask * jnp.roll(batch.loss_mask, -1, axis=1)
+    weights = (
+        jnp.maximum(jnp.sum(batch.loss_mask), 1.0),
+        jnp.maximum(jnp.sum(mtp_mask[:, :-1]), 1.0),
+        jnp.float32(1.0 / k),
+    )
+
+    def one(i):
+        return gradient(params, jax.tree.map(lambda a: a[i], micro), weights)
+
+    def body(total, i):
+        return jax.tree.map(jnp.add, total, one(i)), None
+
+    shapes = jax.eval_shape(one, 0)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(body, zeros, jnp.arange(k))[0]
 
 
 class TrainStep:

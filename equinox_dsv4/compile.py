@@ -9,11 +9,22 @@ and mesh fit before renting the hardware.
 
 With `--topology` (e.g. `v5p:4x4x4`; needs `pip install libtpu`, not a TPU) the programs are
 compiled by XLA's TPU compiler for that topology's chips, and the memory figures are the TPU's
-per chip. `--quantized` keeps the release's FP8/FP4 weights quantised, as
-`convert.load_hf(..., quantized=True)` does. `--phases` adds a training step (AdamW, remat).
+per chip, and the table adds a roofline estimate at the chip's published peak (`TPU_PEAKS`):
+the step's time as `max(FLOPs / peak, bytes accessed / HBM bandwidth)` from XLA's cost
+analysis, and the MFU that time gives the step's useful FLOPs (`train_flops`,
+`forward_flops`). XLA counts a loop's body once, so the estimate covers every layer only with
+`--unrolled`, and even then the experts' loop within a layer counts once: an upper bound on
+the MFU, printed for unrolled programs only.
+
+`--quantized` keeps the release's FP8/FP4 weights quantised, as
+`convert.load_hf(..., quantized=True)` does. `--train` compiles one training step instead
+(`make_train_step`: AdamW with its moments placed as the parameters, per-layer `--remat`,
+`--micro-batches` of gradient accumulation) on `--batch` sequences of `--seq-len` tokens.
 
     python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
     python -m equinox_dsv4.compile --model v4-flash --topology v5p:4x4x4 --quantized
+    python -m equinox_dsv4.compile --train --topology v5p:4x8x8 --mesh fsdp=32,expert=8 \
+        --seq-len 4096 --batch 32
 """
 
 import argparse
@@ -25,6 +36,13 @@ import time
 MODELS = ("v4-flash", "v4-pro", "tiny")
 PHASES = ("prefill", "decode", "train")
 AXES = ("data", "fsdp", "tensor", "expert")
+# Published per-chip peaks (Google Cloud's TPU pages): dense bf16 FLOP/s, HBM bytes/s.
+TPU_PEAKS = {
+    "v4": (275e12, 1228e9),
+    "v5e": (197e12, 819e9),
+    "v5p": (459e12, 2765e9),
+    "v6e": (918e12, 1640e9),
+}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -62,7 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=MODELS, default="v4-flash")
     parser.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
     parser.add_argument("--mesh", default="fsdp=8,expert=8", help="e.g. fsdp=8,expert=8")
-    parser.add_argument("--prefill", type=int, default=4096, help="prefill tokens per sequence")
+    parser.add_argument(
+        "--prefill",
+        "--seq-len",
+        dest="prefill",
+        type=int,
+        default=4096,
+        help="tokens per sequence of the prefill and of the train step",
+    )
     parser.add_argument("--batch", type=int, help="sequences (default: data x fsdp)")
     parser.add_argument("--max-len", type=int, help="cache length (default: prefill + 256)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -85,6 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--phases", default="prefill,decode", help="comma-separated: prefill, decode, train"
+    )
+    parser.add_argument("--train", action="store_true", help="the train step only (--phases train)")
+    parser.add_argument(
+        "--remat",
+        choices=("dots", "nothing", "none"),
+        default="dots",
+        help="the train step's rematerialisation policy per layer (REMAT_POLICIES; 'none': keep "
+        "every activation)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="the train step's gradient accumulation: micro-batches per step (make_train_step)",
+    )
+    parser.add_argument(
+        "--layers", type=int, help="keep only the first N decoder layers (Config.first_layers)"
     )
     parser.add_argument(
         "--numerics",
@@ -111,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rules = parse_rules(args.rule)
     except ValueError as e:
         parser.error(str(e))
-    phases = [p for p in args.phases.split(",") if p]
+    phases = ["train"] if args.train else [p for p in args.phases.split(",") if p]
     if not phases or any(p not in PHASES for p in phases):
         parser.error(f"bad --phases {args.phases!r}: choose from {', '.join(PHASES)}")
 
@@ -180,6 +222,8 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     if not args.mtp:
         config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
     config = dataclasses.replace(config, numerics=args.numerics, scan_layers=not args.unrolled)
+    if args.layers:
+        config = config.first_layers(args.layers)
     devices = _devices(args)
     mesh = _mesh(devices, mesh_shape)
     batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
@@ -213,6 +257,10 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "quantized": args.quantized,
         "numerics": args.numerics,
         "unrolled": args.unrolled,
+        "layers": config.num_hidden_layers,
+        "remat": args.remat if "train" in phases else None,
+        "micro_batches": args.micro_batches if "train" in phases else None,
+        "peak": _peak(args.topology),
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,
@@ -239,7 +287,8 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             if phase == "train":
-                lowered = _train_step(model, batch, tokens, rows)
+                remat = None if args.remat == "none" else args.remat
+                lowered = _train_step(model, batch, tokens, rows, remat, args.micro_batches)
             else:
                 ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
                 lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
@@ -269,6 +318,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
             "bytes_accessed": cost.get("bytes accessed"),
             "transcendentals": cost.get("transcendentals"),
         }
+        row.update(_estimate(args, config, phase, tokens, batch, len(devices), row))
         results["phases"][phase] = row
         print(
             f"{phase}: arguments {row['argument_bytes'] / 2**30:.2f} GiB + temporaries "
@@ -279,6 +329,35 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     return results
 
 
+def _peak(topology: str | None) -> dict | None:
+    chip = (topology or "").split(":")[0]
+    if chip not in TPU_PEAKS:
+        return None
+    flops, hbm = TPU_PEAKS[chip]
+    return {"chip": chip, "bf16_flops_per_s": flops, "hbm_bytes_per_s": hbm}
+
+
+def _estimate(args, config, phase: str, tokens: int, batch: int, devices: int, row) -> dict:
+    """Useful FLOPs per device, and where the chip's peak is known the roofline time and MFU
+    from XLA's cost analysis (an unrolled program's only: a scanned one counts a layer once)."""
+    import equinox_dsv4 as ed
+
+    useful = None  # a decode step's useful work depends on its context: not estimated
+    if phase == "train":
+        useful = ed.train_flops(config, tokens)
+    elif phase == "prefill":
+        useful = ed.forward_flops(config, tokens)
+    out = {"useful_flops": None if useful is None else useful * batch / devices}
+    peak = _peak(args.topology)
+    if peak is None or not args.unrolled or not row["flops"] or not row["bytes_accessed"]:
+        return out | {"estimate_seconds": None, "mfu_estimate": None}
+    seconds = max(
+        row["flops"] / peak["bf16_flops_per_s"], row["bytes_accessed"] / peak["hbm_bytes_per_s"]
+    )
+    mfu = None if useful is None else out["useful_flops"] / seconds / peak["bf16_flops_per_s"]
+    return out | {"estimate_seconds": seconds, "mfu_estimate": mfu}
+
+
 def _placed(tree, shardings):
     import jax
 
@@ -287,9 +366,10 @@ def _placed(tree, shardings):
     )
 
 
-def _train_step(model, batch: int, tokens: int, rows):
-    """The lowered training step (AdamW, per-layer remat of `"dots"`) on `batch` sequences of
-    `tokens`; the optimizer state placed as the compiler propagates it from the weights."""
+def _train_step(model, batch: int, tokens: int, rows, remat: str | None, micro_batches: int):
+    """The lowered training step (AdamW, per-layer remat `remat`, `micro_batches` of gradient
+    accumulation) on `batch` sequences of `tokens`; the optimizer state placed with the
+    parameters' shardings."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -297,32 +377,40 @@ def _train_step(model, batch: int, tokens: int, rows):
     import equinox_dsv4 as ed
 
     optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
-    init = jax.jit(lambda m: ed.init_train_state(m, optimizer)).lower(model).compile()
-    state = _placed(init.out_info, init.output_shardings)
+    state = ed.abstract_train_state(model, optimizer)
     ids = jax.ShapeDtypeStruct((batch, tokens + 1), jnp.int32, sharding=rows)
     data = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
         eqx.filter_eval_shape(ed.Batch.from_tokens, ids),
     )
-    return ed.make_train_step(optimizer).lower(state, data)
+    step = ed.make_train_step(optimizer, remat=remat, micro_batches=micro_batches)
+    return step.lower(state, data)
 
 
 def _print_table(results: dict) -> None:
     gib = 2**30
     ideal = results["parameter_bytes_per_device_ideal"]
+    peak = results["peak"]
+    mfu = f"MFU upper bound ({peak['chip']} peak) |" if peak else ""
     print(
         "| phase | trace + lower | compile | arguments / device | (params / devices) "
-        "| temporaries / device | outputs / device | code | FLOPs / device |"
+        "| temporaries / device | outputs / device | code | FLOPs / device "
+        f"| useful FLOPs / device |{mfu}"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peak else ""))
     for phase, r in results["phases"].items():
         flops = f"{r['flops']:.3g}" if r["flops"] else "n/a"
+        useful = f"{r['useful_flops']:.3g}" if r["useful_flops"] else "n/a"
+        if r["mfu_estimate"] is not None:
+            estimate = f" {r['mfu_estimate']:.1%} ({r['estimate_seconds']:.3g} s) |"
+        else:
+            estimate = " n/a (needs --unrolled) |" if peak else ""
         print(
             f"| {phase} ({r['tokens_per_sequence']} tok) | {r['trace_lower_seconds']:.1f} s "
             f"| {r['compile_seconds']:.1f} s | {r['argument_bytes'] / gib:.2f} GiB "
             f"| {ideal / gib:.2f} GiB (x{r['argument_bytes'] / ideal:.2f}) "
             f"| {r['temp_bytes'] / gib:.2f} GiB | {r['output_bytes'] / gib:.2f} GiB "
-            f"| {r['generated_code_bytes'] / 2**20:.1f} MiB | {flops} |"
+            f"| {r['generated_code_bytes'] / 2**20:.1f} MiB | {flops} | {useful} |{estimate}"
         )
 
 

@@ -58,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--remat", choices=("none", *ed.REMAT_POLICIES), default="dots", help="per-layer remat"
     )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="gradient accumulation: split each batch into this many micro-batches",
+    )
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument(
         "--stop-after",
@@ -81,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--steps, --batch, --seq-len and --save-every must be positive")
     if args.stop_after is not None and args.stop_after <= 0:
         raise ValueError(f"--stop-after must be positive, got {args.stop_after}")
+    if args.micro_batches <= 0 or args.batch % args.micro_batches:
+        raise ValueError(
+            f"--batch {args.batch} does not split into {args.micro_batches} micro-batches"
+        )
     text = pathlib.Path(args.text).read_text()
     tokens = np.asarray(ed.encode_text(text), np.int32)
     if len(tokens) < args.seq_len + 1:
@@ -112,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         balance_weight=args.balance_weight,
         bias_update_rate=args.bias_rate,
         remat=None if args.remat == "none" else args.remat,
+        micro_batches=args.micro_batches,
     )
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = ed.init_train_state(model, optimizer)

@@ -577,3 +577,26 @@ def test_profiles_read_by_component():
         "block/moe/",
     ):
         assert any(n.startswith(scope) for n in names), scope
+
+
+def test_useful_flops_against_the_parameters_they_multiply():
+    # One position: every weight matrix a token's forward reads is multiplied once (2 FLOPs per
+    # entry), and attention sees one key per layer. Vectors (norms, mHC bases and scales,
+    # sinks, router biases, compressors' position terms) are parameters but no products.
+    config = tiny_config(num_nextn_predict_layers=0)
+    h, k = config.num_attention_heads, config.head_dim
+    attention = 2 * 2 * h * k * config.num_hidden_layers
+    model = abstract(ed.DeepseekV4, config)
+    vectors = sum(
+        int(np.prod(leaf.shape))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(model)
+        if re.search(r"norm|\.ape$|\.base$|\.scale$|sink|\.bias$", jax.tree_util.keystr(path))
+    )
+    expected = 2 * (ed.active_parameters(config) - vectors) + attention
+    assert ed.forward_flops(config, 1) == expected
+    # Every position's logits: the head once more per further position.
+    t = 64
+    head = 2 * config.hidden_size * (config.vocab_size + config.hc_mult**2)
+    all_logits = ed.forward_flops(config, t, logits="all")
+    assert all_logits - ed.forward_flops(config, t) == head * (t - 1)
+    assert ed.train_flops(config, t) == 3 * all_logits

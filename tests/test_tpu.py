@@ -125,10 +125,8 @@ def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
     # (The full forward compiles inside the train step below.)
 
     optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
-    with jax.set_mesh(tpu_mesh):
-        # The train state's placement: what the compiler propagates from the parameters'.
-        init = jax.jit(lambda m: ed.init_train_state(m, optimizer)).lower(model).compile()
-    state = _placed(init.out_info, init.output_shardings)
+    # The optimizer's moments placed as the parameters are (nothing allocated).
+    state = ed.abstract_train_state(model, optimizer)
     tokens = jax.ShapeDtypeStruct((2, 33), jnp.int32, sharding=rows)
     batch = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
@@ -160,3 +158,28 @@ def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):
     # plus the cache.
     ideal = report["parameter_bytes"] / 4 + report["cache_bytes"] / 2
     assert decode["argument_bytes"] < 1.5 * ideal
+
+
+def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
+    # The CLI's train step: AdamW's moments placed as the parameters (arguments near the
+    # ideal split), two micro-batches, and the roofline's MFU bound from an unrolled program.
+    from equinox_dsv4 import compile as compile_cli
+
+    del tpu_mesh  # the topology is held by this process already
+    out = tmp_path / "train.json"
+    args = ["--model", "tiny", "--topology", "v5p:2x2x1", "--mesh", "fsdp=2,expert=2"]
+    args += ["--train", "--seq-len", "64", "--batch", "4", "--micro-batches", "2"]
+    args += ["--layers", "3", "--unrolled", "--json", str(out)]
+    assert compile_cli.main(args) == 0
+    report = json.loads(out.read_text())
+    assert list(report["phases"]) == ["train"] and report["micro_batches"] == 2
+    assert report["layers"] == 3 and report["peak"]["chip"] == "v5p"
+    train = report["phases"]["train"]
+    config = ed.Config.tiny(num_nextn_predict_layers=0).first_layers(3)
+    assert train["useful_flops"] == ed.train_flops(config, 64) * 4 / 4
+    assert 0 < train["mfu_estimate"] <= 1 and train["estimate_seconds"] > 0
+    # Parameters and Adam's two moments (in the parameters' dtype) split as the parameters
+    # are: the default rules split the tiny model's largest weights (embedding, head) over
+    # fsdp only, so 3 x weights / 2 per chip; moments replicated would be 2.5 x weights.
+    weights = report["parameter_bytes"]
+    assert 1.4 * weights < train["argument_bytes"] < 1.6 * weights

@@ -303,6 +303,8 @@ def test_data_fsdp_expert_train_step_equals_single_device():
     batch = ed.Batch.from_tokens(np.random.default_rng(6).integers(0, 97, (8, 21)))
     single, m1 = step(ed.init_train_state(model, opt), batch)
     mesh = ed.make_mesh(data=2, fsdp=2, expert=2)
+    # On the mesh in two micro-batches: each device's two rows split between them.
+    step = ed.make_train_step(opt, donate=False, remat=None, micro_batches=2)
     with jax.set_mesh(mesh):
         new, m2 = step(ed.init_train_state(ed.shard(model, mesh), opt), batch)
     np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
@@ -315,10 +317,74 @@ def test_data_fsdp_expert_train_step_equals_single_device():
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
 
 
+def test_micro_batches_equal_one_pass():
+    # Four micro-batches of two sequences, with padding unevenly spread (so each micro-batch's
+    # losses weigh by its own share of the counted tokens), the MTP and balance losses on, and
+    # the router-bias update from the summed loads: the same step as one pass.
+    config = _small()
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=8)
+    opt = optax.sgd(0.5)
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 97, (8, 21))
+    mask = np.ones((8, 21), np.float32)
+    mask[1, 9:] = mask[4, 15:] = mask[6, 3:] = 0.0
+    batch = ed.Batch.from_tokens(tokens, mask)
+    results = []
+    for k in (1, 4):
+        step = ed.make_train_step(opt, donate=False, remat=None, micro_batches=k)
+        results.append(step(ed.init_train_state(model, opt), batch))
+    (one, m1), (acc, m4) = results
+    for name in ("loss", "lm", "mtp", "balance", "tokens", "grad_norm"):
+        np.testing.assert_allclose(m4[name], m1[name], rtol=2e-6, err_msg=name)
+    assert float(m1["mtp"]) > 0 and float(m1["balance"]) > 0
+    for a, b in zip(m1["load"], m4["load"], strict=True):
+        np.testing.assert_array_equal(b, a)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(one.model, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(acc.model, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+        ed.make_train_step(opt, micro_batches=3)(ed.init_train_state(model, opt), batch)
+
+
+def test_abstract_train_state_places_moments_like_parameters():
+    config = _small(num_nextn_predict_layers=0)
+    mesh = ed.make_mesh(data=2, fsdp=2, expert=2)
+    opt = ed.make_optimizer(1e-3, warmup_steps=1, total_steps=10)
+    model = abstract(ed.DeepseekV4, config)
+    placed = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        model,
+        ed.named_shardings(model, mesh),
+    )
+    state = ed.abstract_train_state(placed, opt)
+    real = ed.init_train_state(ed.shard(random_fill(model, seed=1), mesh), opt)
+    ours = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+    assert ours == [(x.shape, x.dtype) for x in jax.tree.leaves(real)]
+    params = eqx.filter(placed, eqx.filter_eval_shape(ed.trainable, placed))
+    by_param = jax.tree.leaves(params)
+    def is_adam(node):
+        return isinstance(node, optax.ScaleByAdamState)
+
+    (adam,) = [s for s in jax.tree.leaves(state.opt_state, is_leaf=is_adam) if is_adam(s)]
+    for moments in (adam.mu, adam.nu):
+        leaves = jax.tree.leaves(moments)
+        assert len(leaves) == len(by_param) > 50
+        for m, p in zip(leaves, by_param, strict=True):
+            assert m.shape == p.shape and m.dtype == p.dtype
+            assert m.sharding == p.sharding
+    assert sum(len(p.sharding.spec) > 0 and any(p.sharding.spec) for p in by_param) > 20
+    assert state.step.sharding.spec == jax.sharding.PartitionSpec()
+    with pytest.raises(ValueError, match="placed on one mesh"):
+        ed.abstract_train_state(model, opt)
+
+
 def test_example_train_script(tmp_path):
     cmd = [sys.executable, "examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
     cmd += ["--save-every", "2", "--out", str(tmp_path / "run"), "--layers", "1"]
-    cmd += ["--remat", "none"]  # the resume is under test, not remat
+    cmd += ["--remat", "none", "--micro-batches", "2"]  # the resume is under test, not remat
     # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
     # so the second process's step is the first's, from the session's compilation cache.)
     first = subprocess.run(cmd + ["--stop-after", "4"], capture_output=True, text=True, cwd=ROOT)
