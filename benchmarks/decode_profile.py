@@ -25,7 +25,7 @@ waits between dependent kernels) plus the Python call.
 
 The routed experts are also timed alone against torch on the same shapes and weights: one
 token through the top-k chosen of each of the config's layers' expert stacks, ours as the step
-runs it (`_experts.dispatch`, one jitted call for all layers), torch with `F.linear` on the
+runs it (`_dispatch.dispatch`, one jitted call for all layers), torch with `F.linear` on the
 chosen experts' views (`w[e]`, no copy), alternating, as GB/s of the chosen weights.
 
     python benchmarks/decode_profile.py [--dtype float32] [--context 4096] [--batch 1]
@@ -48,7 +48,7 @@ from decode import WARMUP
 from decode_floor import step_bytes
 
 import equinox_dsv4 as ed
-from equinox_dsv4._experts import dispatch
+from equinox_dsv4._dispatch import dispatch
 from equinox_dsv4._layers import linear
 
 

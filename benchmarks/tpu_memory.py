@@ -63,15 +63,21 @@ def compile_arguments(
 
 def run(name: str, work: pathlib.Path) -> dict | None:
     """The run's report; `{"error": ...}` when XLA refused to compile it (kept, not retried)."""
-    out, refused = work / f"{name}.json", work / f"{name}.error"
+    model, quantized, chips, phases, *numerics = RUNS[name]
+    topology, mesh = TOPOLOGIES[chips]
+    out = work / f"{name}.json"
+    extra = ["--numerics", numerics[0]] if numerics else []
+    return compiled(compile_arguments(model, quantized, topology, mesh, phases, out) + extra, out)
+
+
+def compiled(arguments: list[str], out: pathlib.Path) -> dict:
+    """`python -m equinox_dsv4.compile ARGUMENTS` writing `out`, unless `out` (or the error file
+    beside it, `{"error": ...}`: a refusal is kept, not retried) is there already."""
+    refused = out.with_suffix(".error")
     if refused.exists():
         return {"error": refused.read_text().strip()}
     if not out.exists():
-        model, quantized, chips, phases, *numerics = RUNS[name]
-        topology, mesh = TOPOLOGIES[chips]
-        cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
-        cmd += compile_arguments(model, quantized, topology, mesh, phases, out)
-        cmd += ["--numerics", numerics[0]] if numerics else []
+        cmd = [sys.executable, "-m", "equinox_dsv4.compile", *arguments]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
@@ -81,7 +87,7 @@ def run(name: str, work: pathlib.Path) -> dict | None:
             if result.returncode < 0:  # e.g. the TPU compiler aborting
                 lines = [f"the compiler process died of signal {-result.returncode}"]
             refused.write_text(lines[-1] + "\n")
-            print(f"{name}: {lines[-1]}", file=sys.stderr)
+            print(f"{out.stem}: {lines[-1]}", file=sys.stderr)
             return {"error": lines[-1]}
     return json.loads(out.read_text())
 

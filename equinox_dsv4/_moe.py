@@ -15,7 +15,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._config import HASH_MOE, Config
-from ._experts import Experts, swiglu
+from ._dispatch import swiglu
+from ._experts import Experts
 from ._layers import Linear, f32, init_normal, lead, linear
 from ._numerics import act_quant
 from ._policy import Policy, resolve

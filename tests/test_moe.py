@@ -127,7 +127,7 @@ def test_decode_dispatch_drops_out_of_range_experts(getkey, gather):
     x = jax.random.normal(getkey(), (2, config.hidden_size))
     indices = jnp.array([[8, 2, 5], [7, 8, 8]], jnp.int32)
     weights = jax.random.uniform(getkey(), (2, 3))
-    out = jax.jit(ed._experts.dispatch, static_argnums=(6, 7))(
+    out = jax.jit(ed._dispatch.dispatch, static_argnums=(6, 7))(
         x, indices, weights, layer.w1, layer.w2, layer.w3, 0.7, gather
     )
     kept = indices < 8
@@ -164,12 +164,12 @@ def test_expert_loop_gradient_matches_dense(getkey):
     def dense(x, weights, w1, w2, w3):  # every expert on every token, masked
         g = jnp.einsum("td,eid->tei", x, w1)
         u = jnp.einsum("td,eid->tei", x, w3)
-        y = jnp.einsum("tei,edi->ted", ed._experts.swiglu(g, u, limit), w2)
+        y = jnp.einsum("tei,edi->ted", ed._dispatch.swiglu(g, u, limit), w2)
         chosen = jax.nn.one_hot(indices, experts)
         return jnp.einsum("tke,tk,ted->td", chosen, weights, y)
 
     def ours(x, weights, w1, w2, w3):
-        return ed._experts.dispatch(x, indices, weights, w1, w2, w3, limit)
+        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, limit)
 
     def loss(f):
         return lambda *a: jnp.sum(jnp.sin(f(*a)))
@@ -193,7 +193,7 @@ def test_decode_dispatch_memory_does_not_grow_with_its_blocks():
 
     def temporaries(gather):
         def f(x, indices, weights, w1, w2, w3):
-            return ed._experts.dispatch(x, indices, weights, w1, w2, w3, 0.0, gather)
+            return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0, gather)
 
         shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
         shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
@@ -252,7 +252,7 @@ def test_bf16_prefill_dispatch_does_not_widen_the_experts():
     widened = 3 * experts * inter * dim * 4
 
     def f(x, indices, weights, w1, w2, w3):
-        return ed._experts.dispatch(x, indices, weights, w1, w2, w3, 0.0)
+        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0)
 
     shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
     shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]

@@ -365,6 +365,7 @@ def test_abstract_train_state_places_moments_like_parameters():
     assert ours == [(x.shape, x.dtype) for x in jax.tree.leaves(real)]
     params = eqx.filter(placed, eqx.filter_eval_shape(ed.trainable, placed))
     by_param = jax.tree.leaves(params)
+
     def is_adam(node):
         return isinstance(node, optax.ScaleByAdamState)
 

@@ -1,0 +1,112 @@
+"""What trains where: V4-Flash and V4-Pro train steps compiled for TPU v5p slices here, without a
+TPU (libtpu's compiler, per-chip figures).
+
+Each row is one `make_train_step` step (AdamW, its moments placed as the parameters; the
+forward, backward, optimizer update and router-bias update) on the recommended rules (README,
+"Memory on TPUs"), bf16 weights, 4096-token sequences, compiled three times with
+`python -m equinox_dsv4.compile --train --topology ...`:
+
+- the whole model, layers scanned as the library runs them: arguments and temporaries per chip;
+- its first 5 and first 7 layers with every layer unrolled: XLA's cost analysis counts a loop's
+  body once, so FLOPs and bytes accessed per chip come from unrolled programs, and the layers
+  past the 5th alternate (HCA, CSA) in both models, so the whole model's figures are those of
+  5 layers plus (layers - 5) / 2 times the difference the 6th and 7th make.
+
+From those: a roofline step time at v5p's published peak (`max(FLOPs / peak, bytes / HBM
+bandwidth)`) and the MFU it gives the step's useful FLOPs (`ed.train_flops`). Within a layer the
+experts' loop still counts once, so this time is a lower bound and the MFU an upper bound.
+Estimates from the compiler on a CPU host; no TPU ran them.
+
+    python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]
+
+Writes benchmarks/results/tpu_train.{json,md}.
+"""
+
+import argparse
+import pathlib
+
+from common import markdown, write
+from tpu_memory import RULES, compile_arguments, compiled
+
+import equinox_dsv4 as ed
+from equinox_dsv4.compile import TPU_PEAKS
+
+
+SEQ_LEN = 4096
+# name -> (model, topology, mesh, global batch, remat, micro-batches)
+RUNS = {
+    "flash-64": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1),
+    "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1),
+    "flash-256": ("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1),
+    "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1),
+}
+COST_LAYERS = (5, 7)
+
+
+def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[str]:
+    model, topology, mesh, batch, remat, micro = RUNS[name]
+    args = compile_arguments(model, False, topology, mesh, "train", out)
+    args += ["--batch", str(batch), "--seq-len", str(SEQ_LEN), "--remat", remat]
+    args += ["--micro-batches", str(micro)]
+    return args + (["--layers", str(layers), "--unrolled"] if layers else [])
+
+
+def extrapolated(shallow: dict, deeper: dict, layers: int) -> dict[str, float]:
+    """FLOPs and bytes accessed per chip of `layers` layers from the unrolled 5- and 7-layer
+    programs (see the module's docstring)."""
+    a, b = shallow["phases"]["train"], deeper["phases"]["train"]
+    pairs = (layers - COST_LAYERS[0]) / (COST_LAYERS[1] - COST_LAYERS[0])
+    return {k: a[k] + pairs * (b[k] - a[k]) for k in ("flops", "bytes_accessed")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument("--work", default="/tmp/tpu-train", help="per-run JSON files (reused)")
+    args = parser.parse_args()
+    work = pathlib.Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    peak, hbm = TPU_PEAKS["v5p"]
+    gib = 2**30
+    rows, table = [], []
+    for name in args.only or RUNS:
+        model, topology, mesh, batch, remat, micro = RUNS[name]
+        memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
+        costs = [
+            compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
+            for n in COST_LAYERS
+        ]
+        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
+        cells = [model, f"{memory.get('devices', '?')} ({topology})", mesh, SEQ_LEN, batch]
+        cells += [remat, micro]
+        row = {"name": name, "memory": memory, "costs": costs}
+        if "error" in memory:
+            cells += [f"refused: {memory['error']}", "-", "-", "-"]
+        else:
+            train = memory["phases"]["train"]
+            arg, temp = train["argument_bytes"] / gib, train["temp_bytes"] / gib
+            cells += [f"{arg:.2f} GiB", f"{temp:.2f} GiB", f"{arg + temp:.2f} GiB"]
+        if any("error" in c for c in costs):
+            cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
+        else:
+            cost = extrapolated(*costs, config.num_hidden_layers)
+            chips = costs[0]["devices"]
+            useful = ed.train_flops(config, SEQ_LEN) * batch / chips
+            seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
+            row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
+            row |= {"estimate_seconds": seconds, "mfu_estimate": useful / seconds / peak}
+            bound = "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory"
+            cells.append(f"<= {useful / seconds / peak:.0%} ({seconds:.2f} s, {bound})")
+        rows.append(row)
+        table.append(cells)
+        print(cells, flush=True)
+    header = ["model", "chips (topology)", "mesh", "sequence", "global batch", "remat"]
+    header += ["micro-batches", "arguments / chip", "temporaries / chip", "total / chip"]
+    header += ["MFU estimate (step time), v5p peak"]
+    extra = {"rules": RULES, "peak_flops": peak, "hbm_bytes_per_s": hbm, "seq_len": SEQ_LEN}
+    write("tpu_train", rows, markdown(header, table), extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

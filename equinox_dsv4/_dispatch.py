@@ -1,0 +1,301 @@
+"""The routed experts' computation: each (token, expert) assignment through its expert, with
+the work proportional to `num_experts_per_tok`, never to the number of experts. With many
+assignments (prefill) they are sorted by expert and each expert runs its rows in blocks
+(`expert_mlps`, with its gradient written out); with few (decoding) each assignment runs
+through its own expert, and only the chosen experts' weights are read (see `dispatch`).
+"""
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._forms import zeros_after
+from ._layers import linear, wider_dtype
+from ._numerics import act_quant
+from ._policy import Policy, resolve
+from ._quant import QuantizedWeight, dense
+
+
+# Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill here.
+MAX_BLOCK_LOG2 = 7
+# The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
+TAIL_ROWS = 16
+
+
+def swiglu(
+    gate: Float[Array, "*batch inter"], up: Float[Array, "*batch inter"], limit: float
+) -> Float[Array, "*batch inter"]:
+    """`silu(min(gate, L)) * clip(up, -L, L)`; no clamp when `limit` is 0."""
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def dispatch(
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    limit: float,
+    gather: bool = False,
+    *,
+    policy: Policy | None = None,
+    numerics: str = "exact",
+) -> Float[Array, "tokens d_model"]:
+    """Routed experts for the (token, expert) assignments, computed only where assigned. An
+    assignment to expert `len(w1)` (out of range) is dropped.
+
+    With more assignments than experts (prefill), the assignments are sorted by expert and each
+    expert's group, padded to `TAIL_ROWS`, runs through that expert in a loop over experts
+    (`expert_mlps`), which reads each expert's weights once. With at most one assignment per
+    expert on average (decoding), each assignment runs through its own expert, reading only
+    the `top_k` chosen experts per token: in a loop over assignments, one expert's weights at a
+    time, or with `gather` the chosen experts' weights gathered at once and the products
+    batched. Use `gather` where the weights are not a parameter but a value (a slice of a
+    scanned layer stack, weights gathered across devices): a loop takes the whole `w1` as its
+    operand, and XLA copies such a value whole to pass it in. `policy` lays out the products
+    (`None`: the target platform's). `numerics`: under `"release"`, each expert's hidden
+    activation makes the FP8 round trip before `w2` (`_numerics.act_quant`); `x` is the
+    caller's to quantise.
+    """
+    act = (limit, numerics)
+    tokens, top_k = indices.shape
+    n_experts = w1.shape[0]
+    rows = tokens * top_k
+    expert = indices.reshape(rows)
+    if rows <= n_experts:
+        run = _gathered if gather else _one_by_one
+        x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
+        chosen = jnp.minimum(expert, n_experts - 1)
+        ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
+        ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
+        return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
+    # Block size: about one block per expert at this load, a power of two in [1, 128].
+    block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
+    pad = min(TAIL_ROWS, block)
+    size = _padded_rows(rows, n_experts, pad)
+
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=n_experts)  # the dropped expert is not counted
+    padded = -(-counts // pad) * pad
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    sorted_start = jnp.cumsum(counts) - counts
+    # Padded row p: its expert, its rank in the expert's group, and the assignment it holds.
+    p = jnp.arange(size)
+    e = jnp.minimum(jnp.searchsorted(padded_end, p, side="right"), n_experts - 1)
+    rank = p - padded_start[e]
+    held = rank < counts[e]
+    assignment = order[jnp.where(held, sorted_start[e] + rank, 0)]
+    xs = x[assignment // top_k]  # rows holding none: any token, with weight 0
+    ws = jnp.where(held, weights.reshape(rows)[assignment], 0.0)
+
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, act, block, pad, policy)
+    # Each assignment's padded row, read back per token: a gather, no scatter.
+    position = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    safe = jnp.minimum(expert, n_experts - 1)
+    row = padded_start[safe] + position - sorted_start[safe]
+    ys = jnp.where((expert < n_experts)[:, None], ys[jnp.minimum(row, size - 1)], 0.0)
+    return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
+
+
+def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):
+    # A loop over assignments, each copying its expert's weights out of the stack; the copies
+    # share one buffer. Unrolled, every copy got its own, temporaries that malloc mapped
+    # fresh, page faults included, on every token.
+    def one(_, w, a):
+        x, wt = a
+        return None, _expert_row(x, wt, *w, act, policy)
+
+    return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws), policy)[1]
+
+
+def _gathered(xs, ws, chosen, w1, w2, w3, act, policy):
+    # The chosen experts' weights in one gather, the products batched over assignments. In a
+    # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
+    # chosen experts; a loop would get the layer's slice of every expert copied in.
+    one = functools.partial(_expert_row, act=act, policy=policy)
+    return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
+
+
+def _expert_row(x, w, w1e, w2e, w3e, act, policy):
+    # One assignment (a row `x` with routing weight `w`) through one expert, float32.
+    return _expert_block(x[None], w[None], w1e, w2e, w3e, act, x.dtype, policy)[0]
+
+
+def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
+    # Room for `rows` sorted rows when each expert's group is padded to a multiple of `pad`: at
+    # most min(E, rows) groups are partial.
+    return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
+
+
+def _varying(a: Array) -> frozenset:
+    # The mesh axes `a` varies over inside a shard_map.
+    return jax.typeof(a).manual_axis_type.varying
+
+
+def varying_like(init: Array, *operands: Any) -> Array:
+    # Under shard_map a loop's carry must vary over the same mesh axes as what the body adds to
+    # it; a fresh zeros array varies over none.
+    axes = frozenset().union(*(_varying(a) for a in jax.tree.leaves(operands))) - _varying(init)
+    return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
+
+
+def _summed_like(grad: Array, weight: Array) -> Array:
+    # A weight's cotangent varies over the mesh axes its weight does: the tokens may vary over
+    # more (`data`, over which the weights are replicated), and the contributions of those
+    # axes' devices add up.
+    extra = tuple(sorted(_varying(grad) - _varying(weight)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
+def _hidden(xb, wb, w1e, w3e, act, dtype, policy):
+    # One block's SwiGLU: (gate, up, swiglu, routing-weighted hidden in the activation dtype,
+    # as w2 takes it). `act`: (swiglu limit, numerics).
+    limit, numerics = act
+    g = linear(xb, w1e, dtype=jnp.float32, policy=policy)
+    u = linear(xb, w3e, dtype=jnp.float32, policy=policy)
+    a = swiglu(g, u, limit)
+    # The routing weight is applied before w2, in float32, as in the official code.
+    return g, u, a, act_quant((a * wb[:, None]).astype(dtype), numerics)
+
+
+def _expert_block(xb, wb, w1e, w2e, w3e, act, dtype, policy):
+    # One block of one expert's rows through that expert, float32.
+    h = _hidden(xb, wb, w1e, w3e, act, dtype, policy)[3]
+    return linear(h, w2e, dtype=jnp.float32, policy=policy)
+
+
+def _over_rows(start, n, block, tail, carry, body):
+    # body(carry, offset, size) over rows [start, start + n), n a multiple of `tail`: whole
+    # blocks of `block` rows, then the rest in blocks of `tail` rows.
+    whole = n // block
+    carry = jax.lax.fori_loop(0, whole, lambda i, c: body(c, start + i * block, block), carry)
+    rest = start + whole * block
+    short = (n - whole * block) // tail
+    return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
+
+
+def _over_experts(body, carry, stacks, chosen, xs, policy):
+    # A scan of body(carry, (w1[e], w2[e], w3[e]), x) -> (carry, y) over the experts e in
+    # `chosen` and the matching entries x of `xs`. The stacks ride in the carry; under
+    # `Policy.carry_stacks` through a barrier: as a loop's operand, XLA:CPU converted 16-bit
+    # stacks to float32 whole in front of the loop, on every call.
+    barrier = resolve(policy).carry_stacks
+
+    def step(carry, a):
+        carry, stacks = carry
+        if barrier:
+            stacks = jax.lax.optimization_barrier(stacks)
+        e, x = a
+        carry, y = body(carry, tuple(w[e] for w in stacks), x)
+        return (carry, stacks), y
+
+    (carry, _), ys = jax.lax.scan(step, (carry, stacks), (chosen, xs))
+    return carry, ys
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def expert_mlps(
+    xs: Float[Array, "rows d_model"],
+    ws: Float[Array, " rows"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    first: Int[Array, " experts"],
+    count: Int[Array, " experts"],
+    act: tuple[float, str],
+    block: int,
+    tail: int,
+    policy: Policy | None = None,
+) -> Float[Array, "rows d_model"]:
+    """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
+    (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`, float32;
+    rows of no expert are zero. `act`: the SwiGLU limit and the numerics (see `dispatch`).
+
+    A loop over experts, each running its rows in an inner loop of `block`-row matmuls (then
+    `tail`-row ones for the rest), so each expert's weights are read once per call, little is
+    computed for padding, and a block's gate, up and hidden values never leave the loop body.
+    The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
+    the gradient is written out: the backward pass recomputes each block's hidden values and
+    sums each expert's weight gradients over its blocks. `policy` lays out the products.
+    """
+    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)[0]
+
+
+def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
+    c = wider_dtype(xs, w1)
+
+    def expert(out, w, args):
+        w1e, w2e, w3e = (dense(a, c) for a in w)
+        start, n = args
+
+        def rows(out, offset, size):
+            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
+            wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
+            y = _expert_block(xb, wb, w1e, w2e, w3e, act, xs.dtype, policy)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
+
+        return _over_rows(start, n, block, tail, out, rows), None
+
+    out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), jnp.float32, xs), xs, w1)
+    experts = jnp.arange(w1.shape[0])
+    out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count), policy)[0]
+    return out, (xs, ws, w1, w2, w3, first, count)
+
+
+def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
+    xs, ws, w1, w2, w3, first, count = residuals
+    c = wider_dtype(xs, w1)
+
+    def dot(spec, a, b):
+        return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
+
+    def expert(carry, w, args):
+        w1e, w2e, w3e = (dense(a, c) for a in w)
+        start, n = args
+
+        def rows(carry, offset, size):
+            dxs, dws, d1, d2, d3 = carry
+            xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
+            wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
+            dy = jax.lax.dynamic_slice_in_dim(dys, offset, size)
+            g, u, a, h = _hidden(xb, wb, w1e, w3e, act, xs.dtype, policy)
+            d2 = d2 + dot("bo,bi->oi", dy, h)
+            dh = dot("bo,oi->bi", dy, w2e)
+            dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.sum(dh * a, axis=-1), offset, 0)
+            dg, du = jax.vjp(lambda g, u: swiglu(g, u, act[0]), g, u)[1](dh * wb[:, None])
+            d1 = d1 + dot("bo,bi->oi", dg, xb)
+            d3 = d3 + dot("bo,bi->oi", du, xb)
+            dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(xs.dtype), offset, 0)
+            return dxs, dws, d1, d2, d3
+
+        zeros = [varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
+        dxs, dws, d1, d2, d3 = _over_rows(start, n, block, tail, (*carry, *zeros), rows)
+        # A quantised weight is frozen (see `trainable`): no cotangent.
+        grads = (d1, d2, d3)
+        return (dxs, dws), tuple(
+            None if isinstance(w, QuantizedWeight) else _summed_like(g, w).astype(w.dtype)
+            for g, w in zip(grads, (w1, w2, w3), strict=True)
+        )
+
+    init = (
+        varying_like(zeros_after(xs.shape, xs.dtype, dys), dys, w1),
+        varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
+    )
+    experts = jnp.arange(w1.shape[0])
+    (dxs, dws), (d1, d2, d3) = _over_experts(
+        expert, init, (w1, w2, w3), experts, (first, count), policy
+    )
+    return dxs, dws, d1, d2, d3, None, None
+
+
+expert_mlps.defvjp(_expert_mlps_fwd, _expert_mlps_bwd)
