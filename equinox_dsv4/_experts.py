@@ -165,7 +165,7 @@ def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce
         # A quantised weight's values and scales are gathered alike (same rank, same axes).
         if not fsdp:
             return w
-        return jax.tree.map(lambda a: gather_weight(a, fsdp, axis), w)
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, fsdp, axis=axis, tiled=True), w)
 
     w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)
     local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
@@ -186,28 +186,6 @@ def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce
         y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
         reduce += (fsdp,)
     return jax.lax.psum(y, reduce)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather_weight(w: Array, axis_name: str, axis: int) -> Array:
-    """`all_gather(w, axis_name, axis=axis, tiled=True)`, whose gradient is reduce-scattered
-    along the array's leading dim and moved back to `axis`. The plain gather's transpose
-    scatters along `axis`; where that is a minor dim (`w1`/`w3`'s `d_model`), XLA's TPU
-    compiler turns the reduce-scatter into an all-reduce of the whole gathered gradient and a
-    slice: twice the traffic, and the whole gradient held on every device."""
-    return jax.lax.all_gather(w, axis_name, axis=axis, tiled=True)
-
-
-def _gather_weight_fwd(w, axis_name, axis):
-    return gather_weight(w, axis_name, axis), None
-
-
-def _gather_weight_bwd(axis_name, axis, _, grad):
-    grad = jax.lax.psum_scatter(jnp.moveaxis(grad, axis, 0), axis_name, tiled=True)
-    return (jnp.moveaxis(grad, 0, axis),)
-
-
-gather_weight.defvjp(_gather_weight_fwd, _gather_weight_bwd)
 
 
 def _stationary(x, indices, weights, w1, w2, w3, *, experts, fsdp, split, reduce, policy):

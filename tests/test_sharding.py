@@ -2,7 +2,6 @@
 single-device logits and decode steps; every weight is placed by the rules; the MoE's compiled
 FLOPs follow top-k, not the number of experts."""
 
-import functools
 import json
 import pathlib
 import re
@@ -214,35 +213,3 @@ def test_decode_moves_tokens_not_expert_weights(single):
         np.testing.assert_allclose(out, steps[0], atol=1e-5, rtol=1e-5)
     assert _gathered_expert_stacks(many, local) > 0
     assert _gathered_expert_stacks(few, local) == 0
-
-
-def test_gathered_expert_weights_reduce_scatter_their_gradient_along_the_leading_dim():
-    # The experts' fsdp gather: the gradient equals the plain all-gather's, and is reduce-
-    # scattered along the leading dim (a minor-dim scatter XLA's TPU compiler turns into an
-    # all-reduce of the whole gathered gradient at V4-Flash's sizes).
-    from equinox_dsv4._experts import gather_weight
-
-    mesh = jax.make_mesh((4,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 8)), jnp.float32)
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(4 * 2, 8)), jnp.float32)
-
-    def loss(gather, w):
-        def local(w, x):
-            return jnp.sum(jnp.einsum("eid,td->tei", gather(w), x) ** 2)[None]
-
-        spec = (P(None, None, "fsdp"), P("fsdp", None))
-        return jnp.sum(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=P("fsdp"))(w, x))
-
-    def ours(w):
-        return gather_weight(w, "fsdp", 2)
-
-    def plain(w):
-        return jax.lax.all_gather(w, "fsdp", axis=2, tiled=True)
-
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.grad(functools.partial(loss, ours)))(w)
-        want = jax.jit(jax.grad(functools.partial(loss, plain)))(w)
-        jaxpr = str(jax.make_jaxpr(jax.grad(functools.partial(loss, ours)))(w))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    scatters = re.findall(r"reduce_scatter\[[^\]]*scatter_dimension=(\d)", jaxpr.replace("\n", " "))
-    assert scatters == ["0"], scatters
