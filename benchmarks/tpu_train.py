@@ -3,11 +3,12 @@ TPU (libtpu's compiler, per-chip figures).
 
 Each row is one `make_train_step` step (AdamW, its moments placed as the parameters; the
 forward, backward, optimizer update and router-bias update) on the recommended rules (README,
-"Memory on TPUs"), bf16 weights, 4096-token sequences, compiled three times with
+"Memory on TPUs"), bf16 weights, 4096-token sequences, compiled with
 `python -m equinox_dsv4.compile --train --topology ...`:
 
 - the whole model, layers scanned as the library runs them: arguments and temporaries per chip;
-- its first 5 and first 7 layers with every layer unrolled: XLA's cost analysis counts a loop's
+- for the rows marked in `RUNS` (each of these compiles takes 7-9 minutes on a 2-core host),
+  its first 5 and first 7 layers with every layer unrolled: XLA's cost analysis counts a loop's
   body once, so FLOPs and bytes accessed per chip come from unrolled programs, and the layers
   past the 5th alternate (HCA, CSA) in both models, so the whole model's figures are those of
   5 layers plus (layers - 5) / 2 times the difference the 6th and 7th make.
@@ -23,7 +24,9 @@ Writes benchmarks/results/tpu_train.{json,md}.
 """
 
 import argparse
+import math
 import pathlib
+import re
 
 from common import markdown, write
 from tpu_memory import RULES, compile_arguments, compiled
@@ -33,18 +36,22 @@ from equinox_dsv4.compile import TPU_PEAKS
 
 
 SEQ_LEN = 4096
-# name -> (model, topology, mesh, global batch, remat, micro-batches)
+# name -> (model, topology, mesh, global batch, remat, micro-batches, with the cost compiles)
+# The unrolled cost compiles take 7-9 minutes each on a 2-core host: run for one row.
 RUNS = {
-    "flash-64": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1),
-    "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1),
-    "flash-256": ("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1),
-    "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1),
+    "flash-64": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1, False),
+    "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1, False),
+    "flash-256": ("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, True),
+    "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, False),
+    "pro-256-nothing": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "nothing", 1, False),
+    "pro-256-e16": ("v4-pro", "v5p:4x8x8", "fsdp=16,expert=16", 16, "dots", 1, False),
+    "pro-512": ("v4-pro", "v5p:8x8x8", "fsdp=16,expert=32", 16, "nothing", 1, False),
 }
 COST_LAYERS = (5, 7)
 
 
 def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[str]:
-    model, topology, mesh, batch, remat, micro = RUNS[name]
+    model, topology, mesh, batch, remat, micro, _ = RUNS[name]
     args = compile_arguments(model, False, topology, mesh, "train", out)
     args += ["--batch", str(batch), "--seq-len", str(SEQ_LEN), "--remat", remat]
     args += ["--micro-batches", str(micro)]
@@ -70,27 +77,34 @@ def main() -> int:
     gib = 2**30
     rows, table = [], []
     for name in args.only or RUNS:
-        model, topology, mesh, batch, remat, micro = RUNS[name]
+        model, topology, mesh, batch, remat, micro, with_cost = RUNS[name]
         memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
         costs = [
             compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
-            for n in COST_LAYERS
+            for n in (COST_LAYERS if with_cost else ())
         ]
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
-        cells = [model, f"{memory.get('devices', '?')} ({topology})", mesh, SEQ_LEN, batch]
+        chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+        cells = [model, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
         cells += [remat, micro]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
-            cells += [f"refused: {memory['error']}", "-", "-", "-"]
+            why = re.search(
+                r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)",
+                memory["error"],
+            )
+            why = f"out of memory: {why[1]}B of temporaries > {why[2]}B" if why else memory["error"]
+            cells += [f"refused ({why})", "-", "-"]
         else:
             train = memory["phases"]["train"]
             arg, temp = train["argument_bytes"] / gib, train["temp_bytes"] / gib
             cells += [f"{arg:.2f} GiB", f"{temp:.2f} GiB", f"{arg + temp:.2f} GiB"]
-        if any("error" in c for c in costs):
+        if not costs:
+            cells.append("not compiled")
+        elif any("error" in c for c in costs):
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
         else:
             cost = extrapolated(*costs, config.num_hidden_layers)
-            chips = costs[0]["devices"]
             useful = ed.train_flops(config, SEQ_LEN) * batch / chips
             seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
             row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
