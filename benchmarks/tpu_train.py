@@ -100,7 +100,7 @@ def main() -> int:
             arg, temp = train["argument_bytes"] / gib, train["temp_bytes"] / gib
             cells += [f"{arg:.2f} GiB", f"{temp:.2f} GiB", f"{arg + temp:.2f} GiB"]
         if not costs:
-            cells.append("not compiled")
+            cells.append("not estimated (its cost compiles not run)")
         elif any("error" in c for c in costs):
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
         else:
