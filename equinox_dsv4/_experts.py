@@ -49,7 +49,7 @@ class Experts(eqx.Module):
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         if name == "w2":
             return ("experts", "embed", "expert_mlp")
-        return ("experts", "expert_mlp", "embed")
+        return ("experts", "expert_up", "expert_in")
 
     def __call__(
         self,
@@ -97,13 +97,15 @@ def expert_parallel(
     over `tensor` when it divides them; the partial outputs are summed over both axes. This is
     the official inference code's expert parallelism, as a `shard_map`.
 
-    The weights' `d_model` dim is split over `fsdp`. With many tokens each device gathers its
-    experts' weights over `fsdp`, one layer at a time, and computes its own tokens. With few
-    (at most `STATIONARY_ROWS` assignments in all, a decode step) the weights stay where they
-    are and the tokens travel instead: each device takes its `fsdp` group's tokens, multiplies
-    their slice of `d_model` by its slice of the chosen experts' weights, and the partial
-    products are summed over `fsdp` (gate and up) or handed back to the tokens' devices
-    (`w2`'s output), so a decode step moves activations, not every expert's weights."""
+    Over `fsdp`, `w2` is split along `d_model` and `w1`/`w3` along their hidden units (or, where
+    those do not split into whole blocks, along `d_model`; see `ShardingRules`). With many
+    tokens each device gathers its experts' weights over `fsdp`, one layer at a time, and
+    computes its own tokens. With few (at most `STATIONARY_ROWS` assignments in all, a decode
+    step) the weights stay where they are and the tokens travel instead: each device takes its
+    `fsdp` group's tokens through its slice of the chosen experts' `w1`/`w3` (gathering the
+    hidden activations, or summing partial products over `fsdp` when `d_model` is what is
+    split) and then its slice of `w2`, whose outputs go back to the tokens' devices, so a
+    decode step moves activations, not every expert's weights."""
     mesh = jax.sharding.get_abstract_mesh()
     w1, w2 = experts.w1, experts.w2
     # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
@@ -114,11 +116,17 @@ def expert_parallel(
     if experts.numerics == RELEASE:
         tensor_ok = tensor_ok and w1.shape[-2] % (parts * ACT_BLOCK) == 0
     tensor = "tensor" if mesh_axis("tensor") > 1 and tensor_ok else None
-    # The weights enter in their stored layout (`d_model` split over fsdp, see ShardingRules)
-    # and are gathered here, one layer at a time: a layout change demanded at the boundary
-    # would be applied to a scanned stack's whole weight, before the loop.
-    fsdp_ok = whole_blocks(w1, -1, mesh_axis("fsdp")) and whole_blocks(w2, -2, mesh_axis("fsdp"))
-    fsdp = "fsdp" if mesh_axis("fsdp") > 1 and fsdp_ok else None
+    # The weights enter in their stored layout and are gathered here, one layer at a time: a
+    # layout change demanded at the boundary would be applied to a scanned stack's whole
+    # weight, before the loop.
+    fsdp = "fsdp" if mesh_axis("fsdp") > 1 else None
+    up = bool(fsdp) and whole_blocks(w1, -2, (parts if tensor else 1) * mesh_axis("fsdp"))
+    split = {
+        "w1": 1 if up else 2 if fsdp and whole_blocks(w1, -1, mesh_axis("fsdp")) else None,
+        "w2": 1 if fsdp and whole_blocks(w2, -2, mesh_axis("fsdp")) else None,
+    }
+    if split["w1"] is None and split["w2"] is None:
+        fsdp = None
     tokens = batch_axes(x.shape[0])
     # Tokens not split over fsdp (a batch it does not divide, e.g. one sequence decoding): each
     # fsdp device computes the same outputs from the gathered weights, which JAX types as
@@ -127,26 +135,24 @@ def expert_parallel(
     spread = fsdp is not None and "fsdp" not in (tokens or ())
     reduce = ("expert",) + ((tensor,) if tensor else ())
 
-    if fsdp is not None and x.shape[0] * indices.shape[1] <= STATIONARY_ROWS:
+    few = x.shape[0] * indices.shape[1] <= STATIONARY_ROWS
+    if few and None not in split.values():
         local = functools.partial(
-            _stationary, experts=experts, fsdp=fsdp, split=not spread, reduce=reduce, policy=policy
+            _stationary, experts=experts, up=up, split=not spread, reduce=reduce, policy=policy
         )
     else:
         local = functools.partial(
-            _gathering, experts=experts, fsdp=fsdp, spread=spread, reduce=reduce, policy=policy
+            _gathering, experts=experts, axes=split, spread=spread, reduce=reduce, policy=policy
         )
     row = P(tokens, None)
+    hidden = tuple(a for a in (tensor, fsdp if up else None) if a) or None
+    if hidden is not None and len(hidden) == 1:
+        hidden = hidden[0]
+    w13 = P("expert", hidden, fsdp if split["w1"] == 2 else None)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(
-            row,
-            row,
-            row,
-            P("expert", tensor, fsdp),
-            P("expert", fsdp, tensor),
-            P("expert", tensor, fsdp),
-        ),
+        in_specs=(row, row, row, w13, P("expert", fsdp if split["w2"] else None, tensor), w13),
         out_specs=row,
     )(x, indices, weights, experts.w1, experts.w2, experts.w3)
 
@@ -159,15 +165,15 @@ def _mine(indices, weights, n_local):
     return jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
 
 
-def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce, policy):
+def _gathering(x, indices, weights, w1, w2, w3, *, experts, axes, spread, reduce, policy):
     # Many tokens: this device's experts' weights gathered over fsdp, its own tokens computed.
     def gather(w, axis):
         # A quantised weight's values and scales are gathered alike (same rank, same axes).
-        if not fsdp:
+        if axis is None:
             return w
-        return jax.tree.map(lambda a: jax.lax.all_gather(a, fsdp, axis=axis, tiled=True), w)
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True), w)
 
-    w1, w2, w3 = gather(w1, 2), gather(w2, 1), gather(w3, 2)
+    w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])
     local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
     # The gathered weights are a value, not a parameter (see `dispatch`).
     y = dispatch(
@@ -183,42 +189,47 @@ def _gathering(x, indices, weights, w1, w2, w3, *, experts, fsdp, spread, reduce
         numerics=experts.numerics,
     )
     if spread:
-        y = jnp.where(jax.lax.axis_index(fsdp) == 0, y, jnp.zeros_like(y))
-        reduce += (fsdp,)
+        y = jnp.where(jax.lax.axis_index("fsdp") == 0, y, jnp.zeros_like(y))
+        reduce += ("fsdp",)
     return jax.lax.psum(y, reduce)
 
 
-def _stationary(x, indices, weights, w1, w2, w3, *, experts, fsdp, split, reduce, policy):
+def _stationary(x, indices, weights, w1, w2, w3, *, experts, up, split, reduce, policy):
     # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
-    # device's slice of `d_model` of the chosen experts' weights.
+    # device's slice of the chosen experts' weights: of `w1`/`w3`'s hidden units (`up`) or of
+    # their `d_model`, and of `w2`'s `d_model`.
     if split:
         x, indices, weights = (
-            jax.lax.all_gather(a, fsdp, tiled=True) for a in (x, indices, weights)
+            jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
         )
-    n_local, width = w1.shape[0], w1.shape[-1]
+    n_local, width = w2.shape[0], w2.shape[1]
     local_ids, mine_weights = _mine(indices, weights, n_local)
     tokens, top_k = indices.shape
     rows = tokens * top_k
     chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
-    part = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(fsdp) * width, width, axis=1)
-    x_rows = jnp.broadcast_to(part[:, None], (tokens, top_k, width)).reshape(rows, width)
+    if not up:
+        x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * width, width, axis=1)
+    x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
 
     def product(a, w):
         return linear(a[None], w, dtype=jnp.float32, policy=policy)[0]
 
     g = jax.vmap(product)(x_rows, w1[chosen])
     u = jax.vmap(product)(x_rows, w3[chosen])
-    g, u = jax.lax.psum((g, u), fsdp)
+    if not up:
+        g, u = jax.lax.psum((g, u), "fsdp")
     limit, numerics = experts.limit, experts.numerics
-    h = swiglu(g, u, limit) * mine_weights.reshape(rows)[:, None]
-    h = act_quant(h.astype(x.dtype), numerics)
+    h = (swiglu(g, u, limit) * mine_weights.reshape(rows)[:, None]).astype(x.dtype)
+    if up:  # this device's hidden units, then all of its tensor slice's
+        h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
+    h = act_quant(h, numerics)
     y = jax.vmap(product)(h, w2[chosen])
     y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
     y = jnp.sum(y.reshape(tokens, top_k, width), axis=1)
     if split:  # each device's tokens back to it, whole `d_model`
-        return jax.lax.all_to_all(jax.lax.psum(y, reduce), fsdp, 0, 1, tiled=True)
+        return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
     # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
     # fsdp with the rest (an all-gather would leave the result typed as varying over fsdp).
-    whole = varying_like(jnp.zeros((tokens, width * mesh_axis(fsdp)), y.dtype), y)
-    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index(fsdp) * width, 1)
-    return jax.lax.psum(whole, reduce + (fsdp,))
+    whole = varying_like(jnp.zeros((tokens, width * mesh_axis("fsdp")), y.dtype), y)
+    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index("fsdp") * width, 1)
+    return jax.lax.psum(whole, reduce + ("fsdp",))

@@ -7,11 +7,11 @@ absent from the mesh, or whose size the mesh axis does not divide, is replicated
 may appear at most once in a spec.
 
 Meshes have up to four axes: `data` and `fsdp` split the batch (`fsdp` also splits the weights'
-`embed` dims, gathered layer by layer), `tensor` splits heads, the grouped output projection,
-the vocabulary and hidden MLP units, `expert` splits the routed experts (see
-`_experts.expert_parallel`). Run a sharded model under `with jax.set_mesh(mesh):` so that the
-forward pass sees the mesh: activations are constrained to the batch axes at every block
-boundary.
+`embed` dims, and the routed experts' `w1`/`w3` along their hidden units, gathered layer by
+layer), `tensor` splits heads, the grouped output projection, the vocabulary and hidden MLP
+units, `expert` splits the routed experts (see `_experts.expert_parallel`). Run a sharded
+model under `with jax.set_mesh(mesh):` so that the forward pass sees the mesh: activations
+are constrained to the batch axes at every block boundary.
 """
 
 import dataclasses
@@ -46,6 +46,11 @@ DEFAULT_RULES: dict[str, str | None] = {
     "groups_x_rank": "tensor",
     "experts": "expert",
     "expert_mlp": "tensor",
+    # `w1`/`w3`'s hidden units, or their `d_model` where those do not split (e.g. into whole
+    # FP8 blocks): the TPU compiler can lower a reduce-scatter along the minor dim, which
+    # `d_model` is, as an all-reduce of the whole gradient (benchmarks/NOTES.md).
+    "expert_up": ("tensor", "fsdp"),
+    "expert_in": ("fsdp",),
     "mlp": "tensor",
 }
 

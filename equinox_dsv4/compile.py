@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=AXIS[+AXIS]",
         help="override a sharding rule (repeatable), e.g. embed=fsdp+expert: dense weights "
-        "split over fsdp and expert, expert stacks over expert (experts) and fsdp (embed)",
+        "split over fsdp and expert (routed experts: over expert, and fsdp along their hidden "
+        "units, expert_up, or d_model, expert_in)",
     )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--hlo", help="write each phase's compiled HLO text to HLO.PHASE.txt")

@@ -223,8 +223,8 @@ def test_sharded_load_on_eight_devices(release):
     ):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == spec
     w1 = sharded.layers[3].blocks[0].ffn.experts.w1
-    assert w1.sharding.spec == P(None, "expert", None, "fsdp")  # [1, experts, inter, d_model]
-    assert w1.addressable_shards[0].data.shape == (1, 2, 16, 16)
+    assert w1.sharding.spec == P(None, "expert", "fsdp", None)  # [1, experts, inter, d_model]
+    assert w1.addressable_shards[0].data.shape == (1, 2, 8, 32)
     single = convert.load_hf(path, numerics="exact")
     np.testing.assert_allclose(logits(sharded), logits(single), atol=1e-5, rtol=1e-5)
 

@@ -17,6 +17,7 @@ from hf_reference import C, H, abstract, random_fill, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equinox_dsv4 as ed
+from equinox_dsv4._quant import quantize
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -86,7 +87,8 @@ def test_specs_follow_the_rules():
     specs = ed.partition_specs(model, mesh)
     (stack_specs,) = specs.layers
     stack = stack_specs.blocks[0]
-    assert stack.ffn.experts.w1 == P(None, "expert", "tensor", "fsdp")
+    # `w1`'s hidden units over tensor and fsdp, its `d_model` whole (see `expert_up`).
+    assert stack.ffn.experts.w1 == P(None, "expert", ("tensor", "fsdp"), None)
     assert stack.ffn.experts.w2 == P(None, "expert", "fsdp", "tensor")
     assert stack.attn.wq_b.weight == P(None, "tensor", "fsdp")  # no embed dim: q_lora_in
     assert stack.attn.wo_b.weight == P(None, "fsdp", "tensor")
@@ -97,13 +99,13 @@ def test_specs_follow_the_rules():
 
 def test_rules_with_several_mesh_axes():
     # Dense weights over fsdp and expert; an expert stack's `experts` dim keeps `expert`, so
-    # its `embed` dim gets fsdp only; a later dim gets what an earlier one left.
+    # `w2`'s `embed` dim gets fsdp only; a later dim gets what an earlier one left.
     rules = ed.ShardingRules().replace(embed=("fsdp", "expert"), groups_x_rank=("tensor", "expert"))
     model = abstract(ed.DeepseekV4, CONFIG)
     mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
     (stack,) = ed.partition_specs(model, mesh, rules).layers
     block = stack.blocks[0]
-    assert block.ffn.experts.w1 == P(None, "expert", "tensor", "fsdp")
+    assert block.ffn.experts.w2 == P(None, "expert", "fsdp", "tensor")
     assert block.attn.wq_a.weight == P(None, None, ("fsdp", "expert"))
     assert block.attn.wo_b.weight == P(None, ("fsdp", "expert"), "tensor")
     assert block.attn.wo_a.weight == P(None, ("tensor", "expert"), "fsdp")
@@ -126,6 +128,63 @@ def test_rules_refuse_one_mesh_axis_twice():
         rules.spec(("q_lora", "embed"), (16, 32), mesh)
     with pytest.raises(ValueError, match="does not match 8 devices"):
         ed.make_mesh(fsdp=3)
+
+
+# name -> (d_model, hidden units, storage, the split of `w1` over fsdp 4): dense weights whose
+# hidden units split four ways, or (6 units) whose `d_model` does; the release's FP4 experts
+# (1 x 32 blocks, split in 32s); FP8 experts, whose 128 hidden units hold one 128-wide block.
+EXPERTS = {
+    "dense": (32, 16, None, P("expert", ("tensor", "fsdp"), None)),  # tensor: size 1
+    "dense-d_model": (32, 6, None, P("expert", "tensor", "fsdp")),
+    "fp4": (128, 128, "e2m1", P("expert", ("tensor", "fsdp"), None)),
+    "fp8-d_model": (512, 128, "e4m3", P("expert", "tensor", "fsdp")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPERTS))
+@pytest.mark.parametrize("tokens", [1, 4, 64])  # decode (one row; split rows), prefill
+def test_expert_parallel_equals_one_device(name, tokens):
+    # Outputs and gradients of the routed experts on fsdp 4 x expert 2 equal one device's:
+    # few assignments move the tokens to the weights (`_stationary`), many gather the weights.
+    d_model, inter, fmt, w1_spec = EXPERTS[name]
+    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter)
+    experts = random_fill(abstract(ed.nn.Experts, config), seed=4)
+    names = ("w1", "w2", "w3")
+    if fmt is not None:
+        quantized = [quantize(getattr(experts, n), fmt) for n in names]
+        experts = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantized))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+
+    @eqx.filter_jit
+    def value_and_grad(experts, x):
+        def loss(diff, frozen):
+            experts, x = diff if frozen is None else (frozen, diff)
+            y = experts(x, ids, w)
+            return jnp.sum(y * jnp.cos(y)), y
+
+        # A quantised weight is frozen (its storage has no gradient): the input's only.
+        diff, frozen = ((experts, x), None) if fmt is None else (x, experts)
+        return eqx.filter_value_and_grad(loss, has_aux=True)(diff, frozen)
+
+    (_, y1), g1 = value_and_grad(experts, x)
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    rules, placed = ed.ShardingRules(), []
+    for n in names:
+        weight = getattr(experts, n)
+        blocks = None if fmt is None else (1, *weight.split_block)
+        spec = rules.spec(experts.param_axes(n), weight.shape, mesh, blocks)
+        assert n != "w1" or spec == w1_spec
+        placed.append(jax.device_put(weight, NamedSharding(mesh, spec)))  # values and scales
+    sharded = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(placed))
+    with jax.set_mesh(mesh):
+        (_, y2), g2 = value_and_grad(sharded, x)
+    np.testing.assert_allclose(y2, y1, atol=1e-5, rtol=1e-5)
+    assert len(jax.tree.leaves(g1)) == (4 if fmt is None else 1)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
 
 
 def _dot_flops(jaxpr) -> float:
