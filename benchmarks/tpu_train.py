@@ -36,11 +36,19 @@ from equinox_dsv4.compile import TPU_PEAKS
 
 
 SEQ_LEN = 4096
-# name -> (model, topology, mesh, global batch, remat, micro-batches, with the cost compiles)
-# The unrolled cost compiles take 7-9 minutes each on a 2-core host: run for one row.
+# name -> (model, topology, mesh, global batch, remat, micro-batches, with the cost compiles[,
+# rules overriding the recommended ones]). The unrolled cost compiles take 7-9 minutes each on
+# a 2-core host: run for few rows.
 RUNS = {
     "flash-64": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1, False),
-    "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1, False),
+    "flash-64-nothing": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "nothing", 1, False),
+    "flash-64-embed-fsdp": (
+        *("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1, False),
+        ("embed=fsdp",),
+    ),
+    "flash-64-e16": ("v4-flash", "v5p:4x4x4", "fsdp=4,expert=16", 4, "dots", 1, False),
+    "flash-64-f16": ("v4-flash", "v5p:4x4x4", "fsdp=16,expert=4", 16, "dots", 1, True),
+    "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1, True),
     "flash-256": ("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, True),
     "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, False),
     "pro-256-nothing": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "nothing", 1, False),
@@ -51,8 +59,9 @@ COST_LAYERS = (5, 7)
 
 
 def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[str]:
-    model, topology, mesh, batch, remat, micro, _ = RUNS[name]
+    model, topology, mesh, batch, remat, micro, _, *rules = RUNS[name]
     args = compile_arguments(model, False, topology, mesh, "train", out)
+    args += [a for rule in (rules[0] if rules else ()) for a in ("--rule", rule)]
     args += ["--batch", str(batch), "--seq-len", str(SEQ_LEN), "--remat", remat]
     args += ["--micro-batches", str(micro)]
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
@@ -77,7 +86,7 @@ def main() -> int:
     gib = 2**30
     rows, table = [], []
     for name in args.only or RUNS:
-        model, topology, mesh, batch, remat, micro, with_cost = RUNS[name]
+        model, topology, mesh, batch, remat, micro, with_cost, *rules = RUNS[name]
         memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
         costs = [
             compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
@@ -86,7 +95,7 @@ def main() -> int:
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
         cells = [model, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
-        cells += [remat, micro]
+        cells += [remat + "".join(f", {rule}" for rule in (rules[0] if rules else ())), micro]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
             why = re.search(
