@@ -58,10 +58,15 @@ RUNS = {
 COST_LAYERS = (5, 7)
 
 
+def overrides(name: str) -> tuple[str, ...]:
+    """The run's rules overriding the recommended ones (its optional last field)."""
+    return RUNS[name][7] if len(RUNS[name]) > 7 else ()
+
+
 def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[str]:
-    model, topology, mesh, batch, remat, micro, _, *rules = RUNS[name]
+    model, topology, mesh, batch, remat, micro = RUNS[name][:6]
     args = compile_arguments(model, False, topology, mesh, "train", out)
-    args += [a for rule in (rules[0] if rules else ()) for a in ("--rule", rule)]
+    args += [a for rule in overrides(name) for a in ("--rule", rule)]
     args += ["--batch", str(batch), "--seq-len", str(SEQ_LEN), "--remat", remat]
     args += ["--micro-batches", str(micro)]
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
@@ -86,7 +91,7 @@ def main() -> int:
     gib = 2**30
     rows, table = [], []
     for name in args.only or RUNS:
-        model, topology, mesh, batch, remat, micro, with_cost, *rules = RUNS[name]
+        model, topology, mesh, batch, remat, micro, with_cost = RUNS[name][:7]
         memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
         costs = [
             compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
@@ -95,7 +100,7 @@ def main() -> int:
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
         cells = [model, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
-        cells += [remat + "".join(f", {rule}" for rule in (rules[0] if rules else ())), micro]
+        cells += [", ".join((remat, *overrides(name))), micro]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
             why = re.search(

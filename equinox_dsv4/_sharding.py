@@ -17,21 +17,24 @@ are constrained to the batch axes at every block boundary.
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._cache import KVCache
-from ._model import DeepseekV4, LayerStack
+from ._model import LayerStack
 from ._parallel import batch_axes
 from ._quant import QuantizedWeight
 
 
+# A model, or any module of one (e.g. a layer's `Experts`): placement is by its own axes.
+M = TypeVar("M", bound=eqx.Module)
+
 # logical axis -> mesh axis (or None). The mesh axes are conventionally "data", "fsdp",
 # "tensor" and "expert"; any of them may be missing from a given mesh.
-DEFAULT_RULES: dict[str, str | None] = {
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -132,8 +135,9 @@ def make_mesh(
     )
 
 
-def shard(model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None) -> DeepseekV4:
-    """Place every weight of `model` by the rules (`eqx.filter_shard`)."""
+def shard(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
+    """Place every weight of `model` (a model, or any module of one) by the rules
+    (`eqx.filter_shard`)."""
     return eqx.filter_shard(model, named_shardings(model, mesh, rules))
 
 
@@ -184,9 +188,7 @@ def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
     return out
 
 
-def partition_specs(
-    model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None
-) -> DeepseekV4:
+def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
     """A pytree like `model` with the `PartitionSpec` of every array leaf."""
     rules = ShardingRules() if rules is None else rules
     axes = logical_axes(model)
@@ -205,9 +207,7 @@ def partition_specs(
     )
 
 
-def named_shardings(
-    model: DeepseekV4, mesh: Mesh, rules: ShardingRules | None = None
-) -> DeepseekV4:
+def named_shardings(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
     """A pytree like `model` with the `NamedSharding` of every array leaf."""
     return jax.tree.map(
         lambda spec: NamedSharding(mesh, spec),

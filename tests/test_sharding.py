@@ -171,14 +171,9 @@ def test_expert_parallel_equals_one_device(name, tokens):
 
     (_, y1), g1 = value_and_grad(experts, x)
     mesh = ed.make_mesh(fsdp=4, expert=2)
-    rules, placed = ed.ShardingRules(), []
-    for n in names:
-        weight = getattr(experts, n)
-        blocks = None if fmt is None else (1, *weight.split_block)
-        spec = rules.spec(experts.param_axes(n), weight.shape, mesh, blocks)
-        assert n != "w1" or spec == w1_spec
-        placed.append(jax.device_put(weight, NamedSharding(mesh, spec)))  # values and scales
-    sharded = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(placed))
+    sharded = ed.shard(experts, mesh)  # quantised: values and scales alike, whole blocks
+    w1 = sharded.w1 if fmt is None else sharded.w1.values
+    assert w1.sharding.spec == w1_spec
     with jax.set_mesh(mesh):
         (_, y2), g2 = value_and_grad(sharded, x)
     np.testing.assert_allclose(y2, y1, atol=1e-5, rtol=1e-5)
