@@ -63,7 +63,8 @@ class Experts(eqx.Module):
         `policy`, the execution `Policy` (its `gather_experts`: see `dispatch`).
 
         **Returns:** `sum_j weights[:, j] * expert_{indices[:, j]}(x)`, accumulated in float32
-        and returned in float32. Under a mesh with an `expert` axis each device computes its
+        and returned in float32; with more assignments than experts (a prefill) each
+        assignment's output is rounded to `x.dtype` before the sum. Under a mesh with an `expert` axis each device computes its
         own experts' share (see `expert_parallel`).
         """
         policy = resolve(policy, x)
@@ -196,8 +197,9 @@ def _gathering(x, indices, weights, w1, w2, w3, *, experts, axes, spread, reduce
 
 def _stationary(x, indices, weights, w1, w2, w3, *, experts, up, split, reduce, policy):
     # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
-    # device's slice of the chosen experts' weights: of `w1`/`w3`'s hidden units (`up`) or of
-    # their `d_model`, and of `w2`'s `d_model`.
+    # device's slice of its experts' weights: of `w1`/`w3`'s hidden units (`up`) or of their
+    # `d_model`, and of `w2`'s `d_model`; the chosen experts only where the assignments are
+    # fewer than the local experts, else every local expert, once.
     if split:
         x, indices, weights = (
             jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
@@ -206,9 +208,45 @@ def _stationary(x, indices, weights, w1, w2, w3, *, experts, up, split, reduce, 
     local_ids, mine_weights = _mine(indices, weights, n_local)
     tokens, top_k = indices.shape
     rows = tokens * top_k
-    chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
     if not up:
         x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * width, width, axis=1)
+    limit, numerics = experts.limit, experts.numerics
+    if n_local <= rows:
+        # At least as many assignments as local experts: every local expert on every token,
+        # weighted by the token's routing weight for it (zero where not chosen), reads each
+        # local expert once, where copying each assignment's expert out of the stack would
+        # write (and read back) more than the whole stack.
+        def products(a, w):  # a [tokens, ..., in] by each expert of w -> [tokens, experts, out]
+            each = functools.partial(linear, dtype=jnp.float32, policy=policy)
+            return jax.vmap(each, in_axes=(1 if a.ndim == 3 else None, 0), out_axes=1)(a, w)
+
+        g, u = products(x, w1), products(x, w3)
+        if not up:
+            g, u = jax.lax.psum((g, u), "fsdp")
+        one_hot = local_ids[..., None] == jnp.arange(n_local)[None, None]
+        per_expert = jnp.sum(jnp.where(one_hot, mine_weights[..., None], 0.0), axis=1)
+        h = (swiglu(g, u, limit) * per_expert[..., None]).astype(x.dtype)
+        if up:
+            h = jax.lax.all_gather(h, "fsdp", axis=2, tiled=True)
+        y = jnp.sum(products(act_quant(h, numerics), w2), axis=1)
+    else:
+        y = _assignments(x, local_ids, mine_weights, w1, w2, w3, up, experts, policy)
+    if split:  # each device's tokens back to it, whole `d_model`
+        return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
+    # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
+    # fsdp with the rest (an all-gather would leave the result typed as varying over fsdp).
+    whole = varying_like(jnp.zeros((tokens, width * mesh_axis("fsdp")), y.dtype), y)
+    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index("fsdp") * width, 1)
+    return jax.lax.psum(whole, reduce + ("fsdp",))
+
+
+def _assignments(x, local_ids, mine_weights, w1, w2, w3, up, experts, policy):
+    # Fewer assignments than local experts: each assignment through a copy of its expert's
+    # weights (the chosen experts' rows of the stack, gathered), others' assignments zeroed.
+    n_local, width = w2.shape[0], w2.shape[1]
+    tokens, top_k = local_ids.shape
+    rows = tokens * top_k
+    chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
     x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
 
     def product(a, w):
@@ -218,18 +256,10 @@ def _stationary(x, indices, weights, w1, w2, w3, *, experts, up, split, reduce, 
     u = jax.vmap(product)(x_rows, w3[chosen])
     if not up:
         g, u = jax.lax.psum((g, u), "fsdp")
-    limit, numerics = experts.limit, experts.numerics
-    h = (swiglu(g, u, limit) * mine_weights.reshape(rows)[:, None]).astype(x.dtype)
+    h = swiglu(g, u, experts.limit) * mine_weights.reshape(rows)[:, None]
+    h = h.astype(x.dtype)
     if up:  # this device's hidden units, then all of its tensor slice's
         h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
-    h = act_quant(h, numerics)
-    y = jax.vmap(product)(h, w2[chosen])
+    y = jax.vmap(product)(act_quant(h, experts.numerics), w2[chosen])
     y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
-    y = jnp.sum(y.reshape(tokens, top_k, width), axis=1)
-    if split:  # each device's tokens back to it, whole `d_model`
-        return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
-    # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
-    # fsdp with the rest (an all-gather would leave the result typed as varying over fsdp).
-    whole = varying_like(jnp.zeros((tokens, width * mesh_axis("fsdp")), y.dtype), y)
-    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index("fsdp") * width, 1)
-    return jax.lax.psum(whole, reduce + ("fsdp",))
+    return jnp.sum(y.reshape(tokens, top_k, width), axis=1)

@@ -142,7 +142,9 @@ EXPERTS = {
 
 
 @pytest.mark.parametrize("name", sorted(EXPERTS))
-@pytest.mark.parametrize("tokens", [1, 4, 64])  # decode (one row; split rows), prefill
+# Decode: one row (2 assignments, fewer than the 4 local experts: each through its expert's
+# copy), 4 rows split over fsdp (8 assignments: every local expert on every row); prefill.
+@pytest.mark.parametrize("tokens", [1, 4, 64])
 def test_expert_parallel_equals_one_device(name, tokens):
     # Outputs and gradients of the routed experts on fsdp 4 x expert 2 equal one device's:
     # few assignments move the tokens to the weights (`_stationary`), many gather the weights.
