@@ -103,7 +103,7 @@ def dispatch(
     safe = jnp.minimum(expert, n_experts - 1)
     row = padded_start[safe] + position - sorted_start[safe]
     ys = jnp.where((expert < n_experts)[:, None], ys[jnp.minimum(row, size - 1)], 0.0)
-    return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
+    return jnp.sum(ys.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1)
 
 
 def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):
@@ -217,8 +217,9 @@ def expert_mlps(
     policy: Policy | None = None,
 ) -> Float[Array, "rows d_model"]:
     """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
-    (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`, float32;
-    rows of no expert are zero. `act`: the SwiGLU limit and the numerics (see `dispatch`).
+    (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`,
+    computed in float32 and returned in `xs.dtype` (the rows, and the caller's read-back of
+    them, are the largest buffers of a prefill's MoE); rows of no expert are zero. `act`: the SwiGLU limit and the numerics (see `dispatch`).
 
     A loop over experts, each running its rows in an inner loop of `block`-row matmuls (then
     `tail`-row ones for the rest), so each expert's weights are read once per call, little is
@@ -241,11 +242,11 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
             y = _expert_block(xb, wb, w1e, w2e, w3e, act, xs.dtype, policy)
-            return jax.lax.dynamic_update_slice_in_dim(out, y, offset, 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), offset, 0)
 
         return _over_rows(start, n, block, tail, out, rows), None
 
-    out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), jnp.float32, xs), xs, w1)
+    out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), xs.dtype, xs), xs, w1)
     experts = jnp.arange(w1.shape[0])
     out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count), policy)[0]
     return out, (xs, ws, w1, w2, w3, first, count)
