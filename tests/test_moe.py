@@ -261,3 +261,41 @@ def test_bf16_prefill_dispatch_does_not_widen_the_experts():
     compiled = jax.jit(f).lower(*args).compile()
     # Here: 0.6 MB (rows, outputs), against 3.7 MB with the stacks converted.
     assert compiled.memory_analysis().temp_size_in_bytes < widened / 2
+
+
+def _avals(jaxpr):
+    # Every value a jaxpr computes, its sub-jaxprs' (loops, custom VJPs) included.
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in eqn.outvars)
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple | list) else (p,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _avals(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _avals(sub)
+
+
+def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16():
+    # Each assignment's output row (the expert loop's output) and their read-back per token are
+    # a prefill MoE's largest buffers (V4-Flash on a TPU: benchmarks/NOTES.md): in the
+    # activation dtype, summed over top-k in float32.
+    experts, inter, dim, tokens, top_k = 16, 32, 64, 64, 4
+
+    def f(x, indices, weights, w1, w2, w3):
+        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0)
+
+    shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
+    shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
+    dtypes = [jnp.bfloat16, jnp.int32, jnp.float32] + [jnp.bfloat16] * 3
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    closed = jax.make_jaxpr(f)(*args)
+    assert closed.out_avals[0].dtype == jnp.float32
+    rows = [
+        a.dtype
+        for a in _avals(closed.jaxpr)
+        if a.ndim == 2
+        and a.shape[0] >= tokens * top_k
+        and a.shape[1] == dim
+        and jnp.issubdtype(a.dtype, jnp.floating)
+    ]
+    assert rows and all(d == jnp.bfloat16 for d in rows), rows
