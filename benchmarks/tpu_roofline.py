@@ -17,8 +17,10 @@ compute and memory traffic overlapped perfectly. The floor counts what the step 
   bandwidth; the FLOPs, two per active parameter per token, over its peak; the larger of the
   two. The KV cache read is left out (at 4352 tokens it is under 1% of the weights).
 
-For each step, the bytes each kind of operation writes (from the compiled HLO text; a fusion
-at its boundary) say where data is materialised beyond what the floor reads.
+For each step, the bytes each part of the model reads and writes (`traffic_by_part`, from the
+compiled HLO text: operands and results of every operation, by the op names JAX gives them)
+say where the traffic beyond the floor comes from; and one prefill layer alone, the first
+five layers' program less the first four's (`layer_traffic`).
 
 These are estimates from the compiler's own accounting, not runs on a TPU.
 
@@ -30,12 +32,15 @@ Writes benchmarks/results/tpu_roofline.{json,md}.
 import argparse
 import collections
 import dataclasses
+import glob
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import hlo
 import jax
@@ -46,25 +51,41 @@ import equinox_dsv4 as ed
 from equinox_dsv4.compile import TPU_PEAKS
 
 
+LABELS = {"flash-b-64-gather": ", before", "flash-b-64-vocab": ", vocab split"}
 # Published per-chip figures for TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16,
 # 2,765 GB/s HBM2e.
 PEAK_FLOPS, HBM_BYTES_PER_S = TPU_PEAKS["v5p"]
 PREFILL = 4096
-# name -> (model, quantised, topology, mesh, phases, experts' STATIONARY_ROWS or None)
+# name -> (model, quantised, topology, mesh, phases, experts' STATIONARY_ROWS or None[,
+# rules added to the recommended ones])
 RUNS = {
     "flash-b-64": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
     "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
     # The decode step as before Round 19: every chip gathers its experts' weights over fsdp.
     "flash-b-64-gather": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("decode",), 0),
+    # The embedding and the head split along the vocabulary instead of d_model (NOTES item 54).
+    "flash-b-64-vocab": (
+        "v4-flash",
+        False,
+        "v5p:4x4x4",
+        "fsdp=8,expert=8",
+        ("decode",),
+        None,
+        ("vocab=fsdp+expert",),
+    ),
 }
 
 
-def compile_report(name: str, phase: str, work: pathlib.Path) -> dict:
+def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None = None) -> dict:
     """The compiler's report for `phase` of run `name` (reused from `work` when there; the
-    unrolled prefill takes about 13 minutes to compile here, the decode step 3)."""
-    out = work / f"{name}-{phase}.json"
+    unrolled prefill takes about 13 minutes to compile here, the decode step 3), its first
+    `layers` decoder layers only if given. The compiled module's text goes to
+    `work/NAME[-L-layers].PHASE.txt`: from `compiled.as_text()`, or where that fails (the TPU
+    prefill) from XLA's dump of the same module after optimisation."""
+    suffix = f"-{layers}-layers" if layers else ""
+    out = work / f"{name}-{phase}{suffix}.json"
     if not out.exists():
-        model, quantized, topology, mesh, _, stationary = RUNS[name]
+        model, quantized, topology, mesh, _, stationary, *rules = RUNS[name]
         cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
         if stationary is not None:
             patch = "import equinox_dsv4._experts as e, runpy, sys; "
@@ -72,35 +93,114 @@ def compile_report(name: str, phase: str, work: pathlib.Path) -> dict:
             patch += "runpy.run_module('equinox_dsv4.compile', run_name='__main__')"
             cmd = [sys.executable, "-c", patch]
         cmd += compile_arguments(model, quantized, topology, mesh, phase, out)
-        cmd += ["--unrolled", "--prefill", str(PREFILL), "--hlo", str(work / name)]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{name} {phase}: compile failed:\n{result.stderr[-3000:]}")
+        cmd += [a for rule in (rules[0] if rules else ()) for a in ("--rule", rule)]
+        cmd += ["--unrolled", "--prefill", str(PREFILL), "--hlo", str(work / (name + suffix))]
+        cmd += ["--layers", str(layers)] if layers else []
+        text = work / f"{name}{suffix}.{phase}.txt"
+        with tempfile.TemporaryDirectory() as dump:
+            flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+            env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+            result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(
+                    f"{name} {phase}: compile failed (exit {result.returncode}):\n"
+                    f"{result.stderr[-3000:]}"
+                )
+            if not text.exists():
+                dumped = glob.glob(f"{dump}/*jit_step*.after_optimizations.txt")
+                shutil.copy(max(dumped, key=os.path.getsize), text)
     return json.loads(out.read_text())
-
-
-def bytes_written(text: str) -> collections.Counter:
-    """Bytes each kind of top-level operation of a compiled module writes (its results; a
-    fusion at its boundary), by kind: the opcode, or a fusion's name without its number. The
-    writes, not the reads: a slice or gather reads a part of an operand that the text does not
-    say, and counting whole operands would charge it the whole."""
-    table, _ = hlo.parse(text)
-    fused = hlo.fused_computations(table)
-    out = collections.Counter()
-    for name, instruction in table.items():
-        if instruction.computation in fused or instruction.opcode in _FREE:
-            continue
-        kind = (
-            re.sub(r"[.\d]+$", "", name) if instruction.opcode == "fusion" else instruction.opcode
-        )
-        out[kind] += hlo.shape_bytes(instruction.shape)
-    return out
 
 
 # Operations that move no data of their own.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call"}
 _FREE |= {"conditional", "copy-done", "all-gather-done", "after-all", "partition-id"}
+
+
+# The parts of the model, by the op names JAX gives their operations (a regular expression
+# searched for; the first match wins).
+PARTS = (
+    (r"moe/shard_map/all_gather", "routed experts: weights gathered over fsdp"),
+    (r"moe/shard_map/while", "routed experts: the expert loop (products, block writes)"),
+    (r"moe/shard_map/(vmap\(\.\.\.i,oi|.*dot_general)", "routed experts: the decode products"),
+    (r"moe/shard_map/gather", "routed experts: rows or weights gathered per assignment"),
+    (r"moe/shard_map", "routed experts: sorting, masks, the sums over top-k and devices"),
+    (r"/moe/", "router, shared expert"),
+    (r"indexer", "attention: indexer"),
+    (r"compressor", "attention: compressors"),
+    (r"attention", "attention: the rest (projections, blocks, softmax)"),
+    (r"/block/", "mHC and norms (the 4 streams)"),
+    (r"(jit\(_\w+\)|dynamic_index_in_dim\))/squeeze$", "layer stacks sliced per layer"),
+    (r"^model\.(head|embed)|jit\(_\w+\)/[^/]*dot_general$", "embedding, head"),
+)
+
+
+def traffic_by_part(text: str) -> collections.Counter:
+    """Bytes each part of the model reads and writes in a compiled module: every operation's
+    operands and results (a fusion at its boundary; a loop's body once, as XLA's cost analysis
+    counts it), by `PARTS` from its op name, or its operand's where it has none (an
+    asynchronous collective's steps); relayout copies and collectives that name no source
+    op apart. Slices are charged their whole operand, so the sum is above XLA's count."""
+    table, computations = hlo.parse(text)
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
+    out = collections.Counter()
+
+    def source(name, depth=0):
+        m = re.search(r'op_name="([^"]*)"', table[name].attributes)
+        if m or depth == 3 or not table[name].operands:
+            return m[1] if m else ""
+        return (
+            source(table[name].operands[0], depth + 1) if table[name].operands[0] in table else ""
+        )
+
+    def walk(computation):
+        for name in computations[computation]:
+            instruction = table[name]
+            if instruction.opcode in ("while", "call", "conditional"):
+                for c in re.findall(
+                    r"(?:body|calls|branch_computations)=\{?%?([\w.\-]+)", instruction.attributes
+                ):
+                    if c in computations:
+                        walk(c)
+                continue
+            if instruction.opcode in _FREE:
+                continue
+            moved = hlo.shape_bytes(instruction.shape) + sum(
+                hlo.shape_bytes(table[o].shape) for o in instruction.operands if o in table
+            )
+            op = source(name)
+            part = next((p for key, p in PARTS if re.search(key, op)), None)
+            if part is None:
+                part = _unnamed(name, instruction.opcode)
+            out[part] += moved
+
+    walk(entry)
+    return out
+
+
+def layer_traffic(work: pathlib.Path, name: str = "flash-b-64") -> dict:
+    """One decoder layer of run `name`'s prefill, by part (`traffic_by_part`): the first five
+    layers' program less the first four's (V4-Flash's fifth layer: compressed sparse
+    attention, learned routing), each compiled unrolled with the run's mesh and rules."""
+    counts, xla = [], []
+    for layers in (4, 5):
+        report = compile_report(name, "prefill", work, layers)
+        xla.append(report["phases"]["prefill"]["bytes_accessed"])
+        counts.append(traffic_by_part((work / f"{name}-{layers}-layers.prefill.txt").read_text()))
+    parts = {k: counts[1][k] - counts[0][k] for k in counts[1]}
+    parts = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+    return {"run": name, "layer": 5, "parts": parts, "xla_bytes": xla[1] - xla[0]}
+
+
+def _unnamed(name: str, opcode: str) -> str:
+    # An operation no source op names: a collective, or the zero-filled buffer (a broadcast,
+    # then a dynamic-update-slice of the local part) that an all-reduce gathers a weight
+    # into; a relayout copy; else other.
+    if re.match(r"all-|collective|reduce-scatter", opcode) or opcode == "broadcast":
+        return "collectives, and the zero-filled buffers of all-reduce gathers"
+    if "dynamic-update-slice" in name:
+        return "collectives, and the zero-filled buffers of all-reduce gathers"
+    return "relayout copies" if "copy" in opcode else "other"
 
 
 def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[str, dict]:
@@ -136,9 +236,14 @@ def main() -> int:
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows, table, breakdown = [], [], []
-    for name in args.only or RUNS:
-        model, quantized, topology, mesh, phases, _ = RUNS[name]
-        reports = {phase: compile_report(name, phase, work) for phase in phases}
+    names = args.only or list(RUNS)
+    # Every compile first: this process must not start JAX's TPU client (libtpu admits one
+    # process at a time) before its compiler subprocesses are done.
+    compiled = {n: {p: compile_report(n, p, work) for p in RUNS[n][4]} for n in names}
+    layer = layer_traffic(work)
+    for name in names:
+        model, quantized, topology, mesh, phases, *_ = RUNS[name]
+        reports = compiled[name]
         report = reports["decode"]
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
@@ -174,16 +279,18 @@ def main() -> int:
                 "argument_bytes": r["argument_bytes"],
                 "temp_bytes": r["temp_bytes"],
             }
-            hlo = work / f"{name}.{phase}.txt"
-            if hlo.exists():
-                ops = bytes_written(hlo.read_text())
-                row["bytes_written_by_operation"] = dict(ops.most_common(12))
-                for kind, n in ops.most_common(6):
-                    breakdown.append([name, phase, kind, f"{n / 2**30:.2f}"])
+            text = work / f"{name}.{phase}.txt"
+            if text.exists():
+                parts = traffic_by_part(text.read_text())
+                row["traffic_by_part"] = dict(parts.most_common())
+                total = sum(parts.values())
+                for part, n in parts.most_common(6):
+                    share = f"{100 * n / total:.0f}%"
+                    breakdown.append([name, phase, part, f"{n / 2**30:.2f}", share])
             rows.append(row)
             table.append(
                 [
-                    f"{model}, {row['weights']}" + (", before" if name.endswith("gather") else ""),
+                    f"{model}, {row['weights']}" + LABELS.get(name, ""),
                     f"{chips} ({topology}), {mesh}",
                     f"{phase}, {tokens} tokens",
                     f"{flops / 1e12:.2f} / {f['flops'] / 1e12:.2f} "
@@ -213,8 +320,15 @@ def main() -> int:
     extra = {"peak_flops": PEAK_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S, "rules": RULES}
     md = markdown(header, table)
     if breakdown:
-        header = ["run", "step", "operation", "GiB written per chip"]
+        header = ["run", "step", "part (largest six)", "GiB read + written per chip", "share"]
         md += "\n" + markdown(header, breakdown)
+    extra["prefill_layer"] = layer
+    header = ["one prefill layer (flash-b-64's 5th: CSA, learned routing)", "GiB per chip", "share"]
+    total = sum(layer["parts"].values())
+    lines = [[k, f"{v / 2**30:.2f}", f"{100 * v / total:.0f}%"] for k, v in layer["parts"].items()]
+    lines.append(["all (operands + results)", f"{total / 2**30:.2f}", "100%"])
+    lines.append(["XLA's bytes accessed", f"{layer['xla_bytes'] / 2**30:.2f}", ""])
+    md += "\n" + markdown(header, lines)
     write("tpu_roofline", rows, md, extra)
     return 0
 

@@ -219,7 +219,8 @@ def expert_mlps(
     """The routed experts on rows sorted by expert: rows `first[e] .. first[e] + count[e] - 1`
     (`count[e]` a multiple of `tail`) become `w2[e] (ws * swiglu(w1[e] x, w3[e] x))`,
     computed in float32 and returned in `xs.dtype` (the rows, and the caller's read-back of
-    them, are the largest buffers of a prefill's MoE); rows of no expert are zero. `act`: the SwiGLU limit and the numerics (see `dispatch`).
+    them, are the largest buffers of a prefill's MoE); rows of no expert are zero. `act`: the
+    SwiGLU limit and the numerics (see `dispatch`).
 
     A loop over experts, each running its rows in an inner loop of `block`-row matmuls (then
     `tail`-row ones for the rest), so each expert's weights are read once per call, little is

@@ -64,8 +64,8 @@ class Experts(eqx.Module):
 
         **Returns:** `sum_j weights[:, j] * expert_{indices[:, j]}(x)`, accumulated in float32
         and returned in float32; with more assignments than experts (a prefill) each
-        assignment's output is rounded to `x.dtype` before the sum. Under a mesh with an `expert` axis each device computes its
-        own experts' share (see `expert_parallel`).
+        assignment's output is rounded to `x.dtype` before the sum. Under a mesh with an
+        `expert` axis each device computes its own experts' share (see `expert_parallel`).
         """
         policy = resolve(policy, x)
         x = act_quant(x, self.numerics)  # once per token, for all of its experts
