@@ -243,6 +243,17 @@ def test_bf16_decode_step_does_not_widen_the_experts():
     assert temporaries(64) - temporaries(8) < layer_stack / 4
 
 
+def _bf16_dispatch(experts, inter, dim, tokens, top_k):
+    # `dispatch` on bf16 tokens and experts, and its arguments' shapes.
+    def f(x, indices, weights, w1, w2, w3):
+        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0)
+
+    shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
+    shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
+    dtypes = [jnp.bfloat16, jnp.int32, jnp.float32] + [jnp.bfloat16] * 3
+    return f, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+
+
 def test_bf16_prefill_dispatch_does_not_widen_the_experts():
     # 256 assignments for 16 experts: the expert loop. With the stacks as the loop's scanned
     # operand, XLA:CPU converted each bf16 stack to float32 whole in front of it, every
@@ -251,13 +262,7 @@ def test_bf16_prefill_dispatch_does_not_widen_the_experts():
     experts, inter, dim, tokens, top_k = 16, 128, 128, 64, 4
     widened = 3 * experts * inter * dim * 4
 
-    def f(x, indices, weights, w1, w2, w3):
-        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0)
-
-    shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
-    shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
-    dtypes = [jnp.bfloat16, jnp.int32, jnp.float32] + [jnp.bfloat16] * 3
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    f, args = _bf16_dispatch(experts, inter, dim, tokens, top_k)
     compiled = jax.jit(f).lower(*args).compile()
     # Here: 0.6 MB (rows, outputs), against 3.7 MB with the stacks converted.
     assert compiled.memory_analysis().temp_size_in_bytes < widened / 2
@@ -281,13 +286,7 @@ def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16():
     # activation dtype, summed over top-k in float32.
     experts, inter, dim, tokens, top_k = 16, 32, 64, 64, 4
 
-    def f(x, indices, weights, w1, w2, w3):
-        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0)
-
-    shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
-    shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
-    dtypes = [jnp.bfloat16, jnp.int32, jnp.float32] + [jnp.bfloat16] * 3
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+    f, args = _bf16_dispatch(experts, inter, dim, tokens, top_k)
     closed = jax.make_jaxpr(f)(*args)
     assert closed.out_avals[0].dtype == jnp.float32
     rows = [
