@@ -63,7 +63,7 @@ RUNS = {
     "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
     # The decode step as before Round 19: every chip gathers its experts' weights over fsdp.
     "flash-b-64-gather": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("decode",), 0),
-    # The embedding and the head split along the vocabulary instead of d_model (NOTES item 54).
+    # The embedding and the head split along the vocabulary instead of d_model (NOTES item 56).
     "flash-b-64-vocab": (
         "v4-flash",
         False,

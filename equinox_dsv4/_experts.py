@@ -63,7 +63,8 @@ class Experts(eqx.Module):
         `policy`, the execution `Policy` (its `gather_experts`: see `dispatch`).
 
         **Returns:** `sum_j weights[:, j] * expert_{indices[:, j]}(x)`, accumulated in float32
-        and returned in float32; with more assignments than experts (a prefill) each
+        and returned in float32; where `dispatch` runs its expert loop (more assignments than
+        experts, or than a device's experts when it gathers their weights: a prefill) each
         assignment's output is rounded to `x.dtype` before the sum. Under a mesh with an
         `expert` axis each device computes its own experts' share (see `expert_parallel`).
         """
@@ -103,8 +104,9 @@ def expert_parallel(
     tokens each device gathers its experts' weights over `fsdp`, one layer at a time, and
     computes its own tokens. With few (at most `STATIONARY_ROWS` assignments in all, a decode
     step) the weights stay where they are and the tokens travel instead: each device takes its
-    `fsdp` group's tokens through its slice of the chosen experts' `w1`/`w3` (gathering the
-    hidden activations, or summing partial products over `fsdp` when `d_model` is what is
+    `fsdp` group's tokens through its slice of the chosen experts' `w1`/`w3` (of every local
+    expert, once, where the assignments are at least as many as the local experts; gathering
+    the hidden activations, or summing partial products over `fsdp` when `d_model` is what is
     split) and then its slice of `w2`, whose outputs go back to the tokens' devices, so a
     decode step moves activations, not every expert's weights."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -225,7 +227,9 @@ def _stationary(x, indices, weights, w1, w2, w3, *, experts, up, split, reduce, 
             g, u = jax.lax.psum((g, u), "fsdp")
         one_hot = local_ids[..., None] == jnp.arange(n_local)[None, None]
         per_expert = jnp.sum(jnp.where(one_hot, mine_weights[..., None], 0.0), axis=1)
-        h = (swiglu(g, u, limit) * per_expert[..., None]).astype(x.dtype)
+        # Masked, not only weighted by zero: an expert no token chose adds exact zeros.
+        chosen = jnp.any(one_hot, axis=1)[..., None]
+        h = jnp.where(chosen, swiglu(g, u, limit) * per_expert[..., None], 0.0).astype(x.dtype)
         if up:
             h = jax.lax.all_gather(h, "fsdp", axis=2, tiled=True)
         y = jnp.sum(products(act_quant(h, numerics), w2), axis=1)
