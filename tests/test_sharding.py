@@ -2,6 +2,7 @@
 single-device logits and decode steps; every weight is placed by the rules; the MoE's compiled
 FLOPs follow top-k, not the number of experts."""
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -269,3 +270,30 @@ def test_decode_moves_tokens_not_expert_weights(single):
         np.testing.assert_allclose(out, steps[0], atol=1e-5, rtol=1e-5)
     assert _gathered_expert_stacks(many, local) > 0
     assert _gathered_expert_stacks(few, local) == 0
+
+
+def test_vocabulary_split_equals_single_device():
+    # README's recommendation for decoding: the embedding and the head split along the
+    # vocabulary over fsdp x expert (d_model then whole), so no chip gathers the head.
+    config = dataclasses.replace(CONFIG, vocab_size=104)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=5)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 104, (2, 12)), jnp.int32)
+    expected = [eqx.filter_jit(model)(ids)]
+    cache = model.init_cache(2, 16)
+    for chunk in (ids[:, :11], ids[:, 11:]):
+        out, cache = _decode(model, chunk, cache)
+        expected.append(out)
+    mesh = ed.make_mesh(fsdp=2, expert=4)
+    both = ("fsdp", "expert")
+    rules = ed.ShardingRules().replace(embed=both, vocab=both)
+    sharded = ed.shard(model, mesh, rules)
+    assert sharded.embed.weight.sharding.spec == P(both, None)
+    assert sharded.head.weight.sharding.spec == P(both, None)
+    with jax.set_mesh(mesh):
+        got = [eqx.filter_jit(sharded)(ids)]
+        cache = ed.shard_cache(sharded.init_cache(2, 16), mesh)
+        for chunk in (ids[:, :11], ids[:, 11:]):
+            out, cache = _decode(sharded, chunk, cache)
+            got.append(out)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
