@@ -196,9 +196,8 @@ def _unnamed(name: str, opcode: str) -> str:
     # An operation no source op names: a collective, or the zero-filled buffer (a broadcast,
     # then a dynamic-update-slice of the local part) that an all-reduce gathers a weight
     # into; a relayout copy; else other.
-    if re.match(r"all-|collective|reduce-scatter", opcode) or opcode == "broadcast":
-        return "collectives, and the zero-filled buffers of all-reduce gathers"
-    if "dynamic-update-slice" in name:
+    zero_filled = opcode == "broadcast" or "dynamic-update-slice" in name
+    if re.match(r"all-|collective|reduce-scatter", opcode) or zero_filled:
         return "collectives, and the zero-filled buffers of all-reduce gathers"
     return "relayout copies" if "copy" in opcode else "other"
 

@@ -278,11 +278,15 @@ def test_vocabulary_split_equals_single_device():
     config = dataclasses.replace(CONFIG, vocab_size=104)
     model = random_fill(abstract(ed.DeepseekV4, config), seed=5)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, 104, (2, 12)), jnp.int32)
-    expected = [eqx.filter_jit(model)(ids)]
-    cache = model.init_cache(2, 16)
-    for chunk in (ids[:, :11], ids[:, 11:]):
-        out, cache = _decode(model, chunk, cache)
-        expected.append(out)
+
+    def run(m, place_cache=lambda c: c):  # logits, then a prefill and one decode step
+        outs, cache = [eqx.filter_jit(m)(ids)], place_cache(m.init_cache(2, 16))
+        for chunk in (ids[:, :11], ids[:, 11:]):
+            out, cache = _decode(m, chunk, cache)
+            outs.append(out)
+        return outs
+
+    expected = run(model)
     mesh = ed.make_mesh(fsdp=2, expert=4)
     both = ("fsdp", "expert")
     rules = ed.ShardingRules().replace(embed=both, vocab=both)
@@ -290,10 +294,6 @@ def test_vocabulary_split_equals_single_device():
     assert sharded.embed.weight.sharding.spec == P(both, None)
     assert sharded.head.weight.sharding.spec == P(both, None)
     with jax.set_mesh(mesh):
-        got = [eqx.filter_jit(sharded)(ids)]
-        cache = ed.shard_cache(sharded.init_cache(2, 16), mesh)
-        for chunk in (ids[:, :11], ids[:, 11:]):
-            out, cache = _decode(sharded, chunk, cache)
-            got.append(out)
+        got = run(sharded, lambda c: ed.shard_cache(c, mesh))
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
