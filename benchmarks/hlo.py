@@ -78,14 +78,64 @@ def products(name: str, table: dict[str, Instruction], computations: dict) -> li
     return [n for n in inside if table[n].opcode == "dot"]
 
 
+def op_name(name: str, table: dict[str, Instruction], computations: dict) -> str:
+    """JAX's op name of kernel `name`: its own, or where a fusion has none, that of the first
+    instruction inside it that has one ("" where none does)."""
+    names = [name] + [n for c in _called(table[name]) for n in computations.get(c, [])]
+    for n in names:
+        m = re.search(r'op_name="([^"]*)"', table[n].attributes)
+        if m:
+            return m[1]
+    return ""
+
+
+def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -> int:
+    """Bytes kernel `name` reads and writes: its operands and result, except that an operand
+    only sliced is charged its slices, and a buffer updated in place (a dynamic update slice)
+    its update, read and written."""
+    instruction = table[name]
+    if instruction.opcode in _SLICES:
+        return 2 * shape_bytes(instruction.shape)
+    if instruction.opcode == "dynamic-update-slice":
+        return 2 * _operand_bytes(instruction, 1, table)
+    if instruction.opcode != "fusion":
+        return sum(_operand_bytes(instruction, i, table) for i in range(len(instruction.operands)))
+    inside = [n for c in _called(instruction) for n in computations.get(c, [])]
+    params = {n: int(table[n].operands[0]) for n in inside if table[n].opcode == "parameter"}
+    read = {i: _operand_bytes(instruction, i, table) for i in params.values()}
+    for param, i in params.items():
+        users = [table[n] for n in inside if param in table[n].operands]
+        if users and all(u.opcode in _SLICES and u.operands[0] == param for u in users):
+            read[i] = sum(shape_bytes(u.shape) for u in users)
+    root = table[inside[-1]] if inside else instruction
+    written = shape_bytes(instruction.shape)
+    if root.opcode == "dynamic-update-slice" and root.operands[0] in params:
+        read[params[root.operands[0]]] = 0
+        written = shape_bytes(table[root.operands[1]].shape)
+    return sum(read.values()) + written
+
+
+_SLICES = ("slice", "dynamic-slice", "gather")
+
+
+def _operand_bytes(instruction: Instruction, i: int, table: dict[str, Instruction]) -> int:
+    operand = instruction.operands[i] if i < len(instruction.operands) else None
+    return shape_bytes(table[operand].shape) if operand in table else 0
+
+
 def _called(instruction: Instruction) -> list[str]:
     return re.findall(r"calls=%?([\w.\-]+)", instruction.attributes)
+
+
+# Profiler events on XLA:CPU's threads that are not kernels: the executor's, loops and calls
+# (which contain kernels), and the thread pool's waits and bookkeeping.
+_NOT_KERNELS = ("ThunkExecutor", "while", "end: ", "call", "SlinkyThreadPool", "ThreadpoolListener")
 
 
 def kernel_events(fn: Callable[[], None], calls: int) -> list[tuple[str, float]]:
     """`(kernel name, seconds)` of every XLA:CPU kernel (thunk) that `calls` calls of `fn`
     ran, from a `jax.profiler` trace; loops, calls and the executor's own events, which
-    contain kernels, are left out."""
+    contain kernels, and the thread pool's waits are left out."""
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(calls):
@@ -99,6 +149,6 @@ def kernel_events(fn: Callable[[], None], calls: int) -> list[tuple[str, float]]
             if "XLAEigen" not in line.name:
                 continue
             for event in line.events:
-                if not event.name.startswith(("ThunkExecutor", "while", "end: ", "call")):
+                if not event.name.startswith(_NOT_KERNELS):
                     events.append((event.name, event.duration_ns / 1e9))
     return events

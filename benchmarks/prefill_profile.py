@@ -34,10 +34,34 @@ from common import (
     timed_pair,
     write,
 )
-from hlo import dims, kernel_events, parse, products
+from hlo import dims, kernel_bytes, kernel_events, op_name, parse, products
 from prefill import matmul_flops_per_second, prefill
 
 import equinox_dsv4 as ed
+
+
+# The kernels that hold no product, by the part of the model their op name places them in
+# (first match); their bytes against a stream's rate measured in the same run.
+PARTS = (
+    (r"/block/closed_call/", "mHC: Sinkhorn rounds"),
+    (r"/moe/while/", "routed experts: the block loop (weight and row slices, block writes)"),
+    (r"/moe/", "routing, dispatch (sorting, gathers, top-k sums), shared expert"),
+    (r"/indexer/", "attention: indexer (scores, top-k)"),
+    (r"/compressor/", "attention: compressors"),
+    (r"/attention/", "attention: the rest (norms, RoPE, masks, softmax, cache writes)"),
+    (r"/block/", "mHC mixing and norms"),
+    (r".", "embedding, head, the rest"),
+    (r"", "conversions and copies XLA added (no op name)"),
+)
+
+
+def stream_bytes_per_second(repeats: int, size: int = 1 << 26) -> float:
+    """Bytes per second of a float32 array read once (its sum, 256 MiB): the rate a
+    memory-bound kernel can reach (a written result would add the page faults of a fresh
+    buffer each call)."""
+    x = jnp.ones((size,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    return x.nbytes / timed(lambda: block(total(x)), repeats)
 
 
 def dot_flops(name: str, table: dict) -> float:
@@ -77,7 +101,9 @@ def main() -> int:
     useful = ed.forward_flops(config, args.tokens)
 
     mm_s = other_s = mm_flops = 0.0
+    stream = stream_bytes_per_second(args.repeats)
     by_shape = collections.Counter()
+    part_s, part_bytes, part_kernels = (collections.Counter() for _ in range(3))
     for name, kernel_s in kernel_events(lambda: block(prefill(model, ids)), args.repeats):
         s = kernel_s / args.repeats
         dots = products(name, table, computations)
@@ -87,6 +113,14 @@ def main() -> int:
             by_shape[signature(dots[0], table)] += s
         else:
             other_s += s
+            if name in table:
+                op = op_name(name, table, computations)
+                part = next(p for key, p in PARTS if re.search(key, op))
+                part_s[part] += s
+                part_bytes[part] += kernel_bytes(name, table, computations) / args.repeats
+                part_kernels[part] += 1 / args.repeats
+            else:
+                part_s["(not in the compiled text)"] += s
     row = {
         "dtype": args.dtype,
         "tokens": args.tokens,
@@ -101,6 +135,17 @@ def main() -> int:
         "products_of_matmul": mm_flops / mm_s / peak,
         "other_kernels_ms": 1e3 * other_s,
         "bound_if_rest_free": useful / mm_s / peak,
+        "stream_GBs": stream / 1e9,
+        "other_kernels": [
+            {
+                "part": part,
+                "kernels": round(part_kernels[part]),
+                "ms": 1e3 * t,
+                "bytes": part_bytes[part],
+                "of_stream": part_bytes[part] / t / stream,
+            }
+            for part, t in part_s.most_common()
+        ],
     }
     md = markdown(
         [
@@ -123,6 +168,25 @@ def main() -> int:
                 f"{row['other_kernels_ms']:.1f}",
                 f"{100 * row['bound_if_rest_free']:.0f}%",
             ]
+        ],
+    )
+    md += "\n" + markdown(
+        [
+            "kernels without a product, by part",
+            "kernels",
+            "ms",
+            "MiB read + written",
+            f"GB/s (of the {stream / 1e9:.1f} GB/s stream)",
+        ],
+        [
+            [
+                p["part"],
+                p["kernels"],
+                f"{p['ms']:.1f}",
+                f"{p['bytes'] / 2**20:.0f}",
+                f"{p['bytes'] / p['ms'] / 1e6:.1f} ({100 * p['of_stream']:.0f}%)",
+            ]
+            for p in row["other_kernels"]
         ],
     )
     # The longest products, alone: XLA as our layers compute them against torch.

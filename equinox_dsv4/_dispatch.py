@@ -227,13 +227,15 @@ def expert_mlps(
     computed for padding, and a block's gate, up and hidden values never leave the loop body.
     The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
     the gradient is written out: the backward pass recomputes each block's hidden values and
-    sums each expert's weight gradients over its blocks. `policy` lays out the products.
+    sums each expert's weight gradients over its blocks. `policy` lays out the products and
+    the buffer the blocks are written to (`Policy.held_dtype`).
     """
     return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)[0]
 
 
 def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
     c = wider_dtype(xs, w1)
+    held = resolve(policy).held_dtype(xs.dtype)
 
     def expert(out, w, args):
         w1e, w2e, w3e = (dense(a, c) for a in w)
@@ -243,14 +245,14 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
             y = _expert_block(xb, wb, w1e, w2e, w3e, act, xs.dtype, policy)
-            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), offset, 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, y.astype(held), offset, 0)
 
         return _over_rows(start, n, block, tail, out, rows), None
 
-    out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), xs.dtype, xs), xs, w1)
+    out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), held, xs), xs, w1)
     experts = jnp.arange(w1.shape[0])
     out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count), policy)[0]
-    return out, (xs, ws, w1, w2, w3, first, count)
+    return out.astype(xs.dtype), (xs, ws, w1, w2, w3, first, count)
 
 
 def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
@@ -277,7 +279,7 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
             d1 = d1 + dot("bo,bi->oi", dg, xb)
             d3 = d3 + dot("bo,bi->oi", du, xb)
             dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
-            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(xs.dtype), offset, 0)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(dxs.dtype), offset, 0)
             return dxs, dws, d1, d2, d3
 
         zeros = [varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
@@ -290,14 +292,14 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
         )
 
     init = (
-        varying_like(zeros_after(xs.shape, xs.dtype, dys), dys, w1),
+        varying_like(zeros_after(xs.shape, resolve(policy).held_dtype(xs.dtype), dys), dys, w1),
         varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
     )
     experts = jnp.arange(w1.shape[0])
     (dxs, dws), (d1, d2, d3) = _over_experts(
         expert, init, (w1, w2, w3), experts, (first, count), policy
     )
-    return dxs, dws, d1, d2, d3, None, None
+    return dxs.astype(xs.dtype), dws, d1, d2, d3, None, None
 
 
 expert_mlps.defvjp(_expert_mlps_fwd, _expert_mlps_bwd)

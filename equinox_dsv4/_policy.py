@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array
 
 
@@ -26,8 +27,10 @@ class Policy:
     - `platform`: what the policy was decided for (informative; the fields decide).
     - `widen_16bit`: the backend computes 16-bit floats in float32, converting operands first
       (XLA:CPU). Then 16-bit products take a float32 result (`linear_widened`), 16-bit
-      activations meet in float32 (`einsum_f32`), and a few rows of a 16-bit cache are
-      written as dynamic updates, not a scatter (`set_rows`).
+      activations meet in float32 (`einsum_f32`), a few rows of a 16-bit cache are
+      written as dynamic updates, not a scatter (`set_rows`), and a loop's 16-bit output
+      buffer is held in float32 and rounded to 16 bits as it leaves the loop (`held_dtype`:
+      XLA:CPU converts a 16-bit buffer whole around each dynamic update of it).
     - `carry_stacks`: for the same reason, 16-bit layer stacks ride in the layer scan's carry,
       through a barrier, so that their conversion cannot be hoisted in front of the loop,
       whole (`Route`).
@@ -76,6 +79,13 @@ class Policy:
     def narrow(self, *arrays: Array) -> bool:
         """Whether any of `arrays` is a 16-bit float that the backend widens (`widen_16bit`)."""
         return self.widen_16bit and _any_16bit(arrays)
+
+    def held_dtype(self, dtype: DTypeLike) -> jnp.dtype:
+        """The dtype a loop holds an output buffer of `dtype` values in, updated a block at a
+        time: float32 for a 16-bit float the backend widens (`widen_16bit`), else `dtype`."""
+        dtype = jnp.dtype(dtype)
+        wide = self.widen_16bit and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+        return jnp.dtype(jnp.float32) if wide else dtype
 
     def carries(self, *arrays: Array) -> bool:
         """Whether a layer scan over stacks holding `arrays` carries them (`carry_stacks`:
