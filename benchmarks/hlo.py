@@ -104,9 +104,9 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
     params = {n: int(table[n].operands[0]) for n in inside if table[n].opcode == "parameter"}
     read = {i: _operand_bytes(instruction, i, table) for i in params.values()}
     for param, i in params.items():
-        users = [table[n] for n in inside if param in table[n].operands]
-        if users and all(u.opcode in _SLICES and u.operands[0] == param for u in users):
-            read[i] = sum(shape_bytes(u.shape) for u in users)
+        sliced = _sliced(param, inside, table)
+        if sliced is not None:
+            read[i] = sliced
     root = table[inside[-1]] if inside else instruction
     written = shape_bytes(instruction.shape)
     if root.opcode == "dynamic-update-slice" and root.operands[0] in params:
@@ -116,6 +116,26 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
 
 
 _SLICES = ("slice", "dynamic-slice", "gather")
+# Operations through which a value is still read only where a slice of it is.
+_ELEMENTWISE = ("convert", "bitcast", "copy", "reshape")
+
+
+def _sliced(value: str, inside: list[str], table: dict[str, Instruction]) -> int | None:
+    # The bytes of `value` a fusion reads where every use of it is a slice, directly or through
+    # element-wise ops (XLA:CPU converts a 16-bit operand, then slices it); else None.
+    users = [n for n in inside if value in table[n].operands]
+    total = 0
+    for n in users:
+        if table[n].opcode in _SLICES and table[n].operands[0] == value:
+            total += shape_bytes(table[n].shape)
+        elif table[n].opcode in _ELEMENTWISE:
+            more = _sliced(n, inside, table)
+            if more is None:
+                return None
+            total += more
+        else:
+            return None
+    return total if users else None
 
 
 def _operand_bytes(instruction: Instruction, i: int, table: dict[str, Instruction]) -> int:
