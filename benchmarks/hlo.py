@@ -98,17 +98,18 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
         return 2 * shape_bytes(instruction.shape)
     if instruction.opcode == "dynamic-update-slice":
         return 2 * _operand_bytes(instruction, 1, table)
+    written = shape_bytes(instruction.shape)
     if instruction.opcode != "fusion":
-        return sum(_operand_bytes(instruction, i, table) for i in range(len(instruction.operands)))
+        operands = range(len(instruction.operands))
+        return sum(_operand_bytes(instruction, i, table) for i in operands) + written
     inside = [n for c in _called(instruction) for n in computations.get(c, [])]
     params = {n: int(table[n].operands[0]) for n in inside if table[n].opcode == "parameter"}
     read = {i: _operand_bytes(instruction, i, table) for i in params.values()}
     for param, i in params.items():
         sliced = _sliced(param, inside, table)
         if sliced is not None:
-            read[i] = sliced
+            read[i] = sliced * _ITEMSIZE.get(table[param].shape.split("[")[0], 0)
     root = table[inside[-1]] if inside else instruction
-    written = shape_bytes(instruction.shape)
     if root.opcode == "dynamic-update-slice" and root.operands[0] in params:
         read[params[root.operands[0]]] = 0
         written = shape_bytes(table[root.operands[1]].shape)
@@ -121,13 +122,13 @@ _ELEMENTWISE = ("convert", "bitcast", "copy", "reshape")
 
 
 def _sliced(value: str, inside: list[str], table: dict[str, Instruction]) -> int | None:
-    # The bytes of `value` a fusion reads where every use of it is a slice, directly or through
-    # element-wise ops (XLA:CPU converts a 16-bit operand, then slices it); else None.
+    # The elements of `value` a fusion reads where every use of it is a slice, directly or
+    # through element-wise ops (XLA:CPU converts a 16-bit operand, then slices it); else None.
     users = [n for n in inside if value in table[n].operands]
     total = 0
     for n in users:
         if table[n].opcode in _SLICES and table[n].operands[0] == value:
-            total += shape_bytes(table[n].shape)
+            total += int(np.prod(dims(table[n].shape)))
         elif table[n].opcode in _ELEMENTWISE:
             more = _sliced(n, inside, table)
             if more is None:

@@ -4,14 +4,15 @@ Our jitted prefill (`prefill.prefill`: the small config, batch 1, `--tokens` tok
 position's logits) is timed, alternating with a large `jnp.dot` (2048^3, float32 result,
 `common.fast_matmul`) that gives the matmul rate the issue's target is stated against; the
 prefill's useful FLOPs (`ed.forward_flops`) over its time give its share of that rate (the
-median over the alternating pairs). Then it is traced with `jax.profiler`: every XLA:CPU
-kernel whose compiled instruction is a dot, or a fusion containing one, is a matrix product,
-and its FLOPs are counted from the compiled program's shapes (2 x result elements x
-contracted size); the products' own rate bounds what the prefill could reach if everything
-else took no time. The other kernels are put on parts of the model by their op names, with
-the bytes they read and write against a stream's rate measured in the same run. The `--top`
-products that take longest are then timed alone, same shapes and dtype, in XLA (as our
-layers compute them: bf16 operands, float32 result) and in torch, alternately.
+median over the alternating pairs). Then it is traced with `jax.profiler`: every XLA:CPU kernel
+whose compiled instruction is a dot, or a fusion containing one, is a matrix product, and its
+FLOPs are counted from the compiled program's shapes (2 x result elements x contracted size);
+the products' own rate (their profiled time against the paired matmul rate) bounds what the
+prefill could reach if everything else took no time. The other kernels are put on parts of the
+model by their op names, with the bytes they read and write against a stream's rate measured in
+the same run. The `--top` products that take longest are then timed alone, same shapes and
+dtype, in XLA (as our layers compute them: bf16 operands, float32 result) and in torch,
+alternately.
 
     python benchmarks/prefill_profile.py [--tokens 2048] [--dtype bfloat16]
 
@@ -47,13 +48,12 @@ MATMUL_SIZE = 2048
 # The kernels that hold no product, by the part of the model their op name places them in
 # (first match); their bytes against a stream's rate measured in the same run.
 PARTS = (
-    (r"/block/closed_call/", "mHC: Sinkhorn rounds"),
     (r"/moe/while/", "routed experts: the block loop (weight and row slices, block writes)"),
     (r"/moe/", "routing, dispatch (sorting, gathers, top-k sums), shared expert"),
     (r"/indexer/", "attention: indexer (scores, top-k)"),
     (r"/compressor/", "attention: compressors"),
     (r"/attention/", "attention: the rest (norms, RoPE, masks, softmax, cache writes)"),
-    (r"/block/", "mHC mixing and norms"),
+    (r"/block/", "mHC (Sinkhorn, mixing) and norms"),
     (r".", "embedding, head, the rest"),
     (r"", "conversions and copies XLA added (no op name)"),
 )
@@ -134,6 +134,7 @@ def main() -> int:
                 part_kernels[part] += 1 / args.repeats
             else:
                 part_s["(not in the compiled text)"] += s
+                part_kernels["(not in the compiled text)"] += 1 / args.repeats
     row = {
         "dtype": args.dtype,
         "tokens": args.tokens,

@@ -258,6 +258,7 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
 def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
     xs, ws, w1, w2, w3, first, count = residuals
     c = wider_dtype(xs, w1)
+    held = resolve(policy).held_dtype(xs.dtype)
 
     def dot(spec, a, b):
         return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
@@ -279,7 +280,7 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
             d1 = d1 + dot("bo,bi->oi", dg, xb)
             d3 = d3 + dot("bo,bi->oi", du, xb)
             dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
-            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(dxs.dtype), offset, 0)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(held), offset, 0)
             return dxs, dws, d1, d2, d3
 
         zeros = [varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
@@ -292,7 +293,7 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
         )
 
     init = (
-        varying_like(zeros_after(xs.shape, resolve(policy).held_dtype(xs.dtype), dys), dys, w1),
+        varying_like(zeros_after(xs.shape, held, dys), dys, w1),
         varying_like(zeros_after(ws.shape, jnp.float32, dys), dys, w1),
     )
     experts = jnp.arange(w1.shape[0])
