@@ -67,8 +67,6 @@ def attend(
     compressed: Float[Array, "batch entries head_dim"] | None = None,
     compressed_mask: Bool[Array, "batch seq entries"] | None = None,
     compressed_picks: Int[Array, "batch seq topk"] | None = None,
-    *,
-    policy: Policy | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of a chunk of queries over their sliding window, plus compressed
     entries, plus a per-head sink.
@@ -81,8 +79,7 @@ def attend(
 
     Long chunks are processed in blocks of `window` queries, each against `2 * window` keys,
     so the cost is linear in the chunk length. Logits and softmax are float32; probabilities
-    are cast to the value dtype for the value matmul, which accumulates in float32. `policy`
-    lays out the products (`None`: the target platform's).
+    are cast to the value dtype for the value matmul, which accumulates in float32.
     """
     b, t, h, k = q.shape
     w = window
@@ -132,28 +129,28 @@ def attend(
         c_keys, c_valid = None, jnp.zeros((b, nb, bq, 0), jnp.bool_)
 
     def blocks(qb, keys, valid, c_valid, *c_keys):
-        logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys, policy=policy)
+        logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys)
         logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
         top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
         if c_keys:  # picked entries, one set per query
-            c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0], policy=policy)
+            c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0])
         elif use_compressed:
-            c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed, policy=policy)
+            c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed)
         if use_compressed:
             c_logits = jnp.where(c_valid[:, :, :, None], c_logits * scale, -jnp.inf)
             top = jnp.maximum(top, jnp.max(c_logits, axis=-1, keepdims=True))
         probs = jnp.exp(logits - top)
         denom = jnp.sum(probs, axis=-1, keepdims=True) + jnp.exp(sink - top)
-        out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(kv.dtype), keys, policy=policy)
+        out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(kv.dtype), keys)
         if use_compressed:
             c_probs = jnp.exp(c_logits - top)
             denom = denom + jnp.sum(c_probs, axis=-1, keepdims=True)
             if c_keys:
                 c_probs = c_probs.astype(kv.dtype)
-                c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs, c_keys[0], policy=policy)
+                c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs, c_keys[0])
             else:
                 c_probs = c_probs.astype(kv.dtype)
-                c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs, compressed, policy=policy)
+                c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs, compressed)
             out = out + c_out
         return out / denom
 
@@ -332,9 +329,7 @@ class Attention(eqx.Module):
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)
                 visible = visible_blocks(positions, self.compressor.ratio)
                 mask = entry[None, None, :] < visible[..., None]
-        o = attend(
-            q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, policy=policy
-        )
+        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks)
         out = self.project_out(self.rope(o, positions, inverse=True), policy=policy)
         return out, LayerCache(ring, compressor_state, indexer_state)
 

@@ -100,7 +100,7 @@ class LightningIndexer(eqx.Module):
             return jnp.einsum("bnsh,bsh->bsn", jax.nn.relu(logits), w)
         # Many queries (a prefill chunk): the keys as the product's columns, faster from 16
         # queries on.
-        logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
+        logits = einsum_f32("bshk,bnk->bshn", q, keys)
         return jnp.einsum("bshn,bsh->bsn", jax.nn.relu(logits), w)
 
     def _release_scores(self, x, q, keys, scale, policy):
@@ -114,7 +114,7 @@ class LightningIndexer(eqx.Module):
                 "bnk,bshk->bshn", keys.astype(c), q.astype(c), preferred_element_type=jnp.float32
             )
         else:
-            logits = einsum_f32("bshk,bnk->bshn", q, keys, policy=policy)
+            logits = einsum_f32("bshk,bnk->bshn", q, keys)
         terms = bf16_round(jax.nn.relu(bf16_round(logits)) * w[..., None])
         return bf16_round(jnp.sum(terms, axis=2))
 

@@ -135,19 +135,9 @@ def set_rows(
     return set_rows_by_updates(a, lead, rows, cols, values)
 
 
-def einsum_f32(spec: str, a: Array, b: Array, *, policy: Policy | None = None) -> Array:
-    """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32.
-
-    With bfloat16 operands this equals the float32 product of the upcast operands (bf16
-    products are exact in float32). XLA:CPU lacks a bf16 x bf16 -> f32 dot for some of the
-    attention's layouts ("Unsupported element type for DotThunk"), so there the operands are
-    upcast first. Not for weights: a convert of a scanned stack's weight gets hoisted out of the
-    layer loop, a float32 copy of the whole stack (`linear` and the experts' matmuls take the
-    `preferred_element_type` path, which XLA:CPU supports for their layouts). `policy=None`:
-    the policy of the target platform.
-    """
-    if resolve(policy).narrow(a, b):
-        a, b = f32(a), f32(b)
+def einsum_f32(spec: str, a: Array, b: Array) -> Array:
+    """`jnp.einsum(spec, a, b)` of two activations, accumulated in and returned as float32
+    (bfloat16 products are exact in float32)."""
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 

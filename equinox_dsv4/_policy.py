@@ -26,11 +26,11 @@ class Policy:
 
     - `platform`: what the policy was decided for (informative; the fields decide).
     - `widen_16bit`: the backend computes 16-bit floats in float32, converting operands first
-      (XLA:CPU). Then 16-bit products take a float32 result (`linear_widened`), 16-bit
-      activations meet in float32 (`einsum_f32`), a few rows of a 16-bit cache are
-      written as dynamic updates, not a scatter (`set_rows`), and a loop's 16-bit output
-      buffer is held in float32 and rounded to 16 bits as it leaves the loop (`held_dtype`:
-      XLA:CPU converts a 16-bit buffer whole around each dynamic update of it).
+      (XLA:CPU). Then 16-bit products take a float32 result (`linear_widened`), a few rows
+      of a 16-bit cache are written as dynamic updates, not a scatter (`set_rows`), and a
+      loop's 16-bit output buffer is held in float32 and rounded to 16 bits as it leaves the
+      loop (`held_dtype`: XLA:CPU converts a 16-bit buffer whole around each dynamic update
+      of it).
     - `carry_stacks`: for the same reason, 16-bit layer stacks ride in the layer scan's carry,
       through a barrier, so that their conversion cannot be hoisted in front of the loop,
       whole (`Route`).

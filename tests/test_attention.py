@@ -1,5 +1,7 @@
 """Attention (sliding-only, CSA, HCA) against transformers, and the sink / window by hand."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -85,6 +87,30 @@ def test_attend_by_hand():
     np.testing.assert_allclose(out[0, 2, 0, 0], expected, rtol=1e-6)
     # Query 0 sees only itself: 1 * e^1 / (e^1 + e^0.5).
     np.testing.assert_allclose(out[0, 0, 0, 0], e(1) / (e(1) + e(0.5)), rtol=1e-6)
+
+
+def test_bf16_attention_products_read_bf16_activations():
+    # Every product of `attend` (sliding window, dense and picked compressed entries) takes the
+    # bf16 activations as they are, with a float32 result: upcasting them first, as XLA:CPU
+    # once needed, cost 9% of a bf16 prefill (benchmarks/NOTES.md, item 59).
+    b, t, h, d, w, m, k = 1, 64, 4, 32, 16, 8, 4
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
+    kv = jax.random.normal(keys[1], (b, t, d), jnp.bfloat16)
+    compressed = jax.random.normal(keys[2], (b, m, d), jnp.bfloat16)
+    mask = jnp.ones((b, t, m), bool)
+    picks = jnp.zeros((b, t, k), jnp.int32)
+    sinks = jnp.zeros((h,))
+    for kwargs in (dict(compressed_mask=mask), dict(compressed_picks=picks)):
+        text = (
+            jax.jit(lambda q, kv, c, kwargs=kwargs: attend(q, kv, sinks, w, compressed=c, **kwargs))
+            .lower(q, kv, compressed)
+            .as_text()
+        )
+        products = re.findall(r"stablehlo\.dot_general.*: \((.*)\) -> (\S+)", text)
+        assert len(products) == 4, text
+        for operands, result in products:
+            assert operands.count("bf16") == 2 and "f32" in result, (operands, result)
 
 
 def test_attend_compressed_entries_by_hand():
