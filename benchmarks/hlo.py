@@ -74,14 +74,13 @@ def products(name: str, table: dict[str, Instruction], computations: dict) -> li
         return [name]
     if instruction.opcode != "fusion":
         return []
-    inside = [n for c in _called(instruction) for n in computations.get(c, [])]
-    return [n for n in inside if table[n].opcode == "dot"]
+    return [n for n in _inside(instruction, computations) if table[n].opcode == "dot"]
 
 
 def op_name(name: str, table: dict[str, Instruction], computations: dict) -> str:
     """JAX's op name of kernel `name`: its own, or where a fusion has none, that of the first
     instruction inside it that has one ("" where none does)."""
-    names = [name] + [n for c in _called(table[name]) for n in computations.get(c, [])]
+    names = [name, *_inside(table[name], computations)]
     for n in names:
         m = re.search(r'op_name="([^"]*)"', table[n].attributes)
         if m:
@@ -102,7 +101,7 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
     if instruction.opcode != "fusion":
         operands = range(len(instruction.operands))
         return sum(_operand_bytes(instruction, i, table) for i in operands) + written
-    inside = [n for c in _called(instruction) for n in computations.get(c, [])]
+    inside = _inside(instruction, computations)
     params = {n: int(table[n].operands[0]) for n in inside if table[n].opcode == "parameter"}
     read = {i: _operand_bytes(instruction, i, table) for i in params.values()}
     for param, i in params.items():
@@ -142,6 +141,11 @@ def _sliced(value: str, inside: list[str], table: dict[str, Instruction]) -> int
 def _operand_bytes(instruction: Instruction, i: int, table: dict[str, Instruction]) -> int:
     operand = instruction.operands[i] if i < len(instruction.operands) else None
     return shape_bytes(table[operand].shape) if operand in table else 0
+
+
+def _inside(instruction: Instruction, computations: dict) -> list[str]:
+    # The instructions of the computations `instruction` calls (a fusion's body).
+    return [n for c in _called(instruction) for n in computations.get(c, [])]
 
 
 def _called(instruction: Instruction) -> list[str]:

@@ -126,15 +126,13 @@ def main() -> int:
             by_shape[signature(dots[0], table)] += s
         else:
             other_s += s
+            part = "(not in the compiled text)"
             if name in table:
                 op = op_name(name, table, computations)
                 part = next(p for key, p in PARTS if re.search(key, op))
-                part_s[part] += s
                 part_bytes[part] += kernel_bytes(name, table, computations) / args.repeats
-                part_kernels[part] += 1 / args.repeats
-            else:
-                part_s["(not in the compiled text)"] += s
-                part_kernels["(not in the compiled text)"] += 1 / args.repeats
+            part_s[part] += s
+            part_kernels[part] += 1 / args.repeats
     row = {
         "dtype": args.dtype,
         "tokens": args.tokens,

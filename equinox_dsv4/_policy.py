@@ -84,8 +84,7 @@ class Policy:
         """The dtype a loop holds an output buffer of `dtype` values in, updated a block at a
         time: float32 for a 16-bit float the backend widens (`widen_16bit`), else `dtype`."""
         dtype = jnp.dtype(dtype)
-        wide = self.widen_16bit and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-        return jnp.dtype(jnp.float32) if wide else dtype
+        return jnp.dtype(jnp.float32) if self.widen_16bit and _is_16bit(dtype) else dtype
 
     def carries(self, *arrays: Array) -> bool:
         """Whether a layer scan over stacks holding `arrays` carries them (`carry_stacks`:
@@ -103,8 +102,12 @@ class Policy:
 _FEW_TOKENS = 16
 
 
+def _is_16bit(dtype: jnp.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
 def _any_16bit(arrays) -> bool:
-    return any(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4 for a in arrays)
+    return any(_is_16bit(a.dtype) for a in arrays)
 
 
 def resolve(policy: Policy | None, *trees: Any) -> Policy:
