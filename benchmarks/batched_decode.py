@@ -54,10 +54,10 @@ def floor_bytes(config: ed.Config, batch: int, context: int, itemsize: int) -> f
     per_row = 0
     for layer in config.layer_types:
         per_row += min(context, config.sliding_window) * d
-        if layer == ed.CSA:
+        if layer == ed.config.CSA:
             entries = context // config.compress_rate_csa
             per_row += min(entries, config.index_topk) * d + entries * di
-        elif layer == ed.HCA:
+        elif layer == ed.config.HCA:
             per_row += context // config.compress_rate_hca * d
     return weights + batch * per_row * itemsize
 
@@ -69,14 +69,18 @@ def ours_stepper(model, prompts: np.ndarray, batch: int, feed: np.ndarray):
     context = ids.shape[1]
     cache = model.init_cache(batch, context + 256)
     greedy, key = ed.Sampling(), jax.random.key(0)
-    _, cache = ed.prefill(model, ids, jnp.full((batch,), context), cache, key, greedy, 2048)
+    _, cache = ed.inference.prefill(
+        model, ids, jnp.full((batch,), context), cache, key, greedy, 2048
+    )
     tokens = [jnp.asarray(f) for f in feed]
     i = 0
 
     def step():
         nonlocal cache, i
         active = jnp.ones((batch,), jnp.int32)
-        out, cache = ed.decode_step(model, tokens[i % len(tokens)], active, cache, key, greedy)
+        out, cache = ed.inference.decode_step(
+            model, tokens[i % len(tokens)], active, cache, key, greedy
+        )
         i += 1
         block(out)
 

@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: the "small" config, the transformers twin with the same
 weights, timing, and result files."""
 
+import datetime
 import json
 import os
 import pathlib
@@ -23,7 +24,7 @@ import equinox_dsv4 as ed  # noqa: E402
 from convert import fill, hf_to_canonical  # noqa: E402
 
 
-S, C, H = ed.SLIDING, ed.CSA, ed.HCA
+S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
 
 
 def small_config(layers: int = 8, **overrides) -> ed.Config:
@@ -43,7 +44,8 @@ def small_config(layers: int = 8, **overrides) -> ed.Config:
         o_lora_rank=256,
         sliding_window=128,
         layer_types=pattern,
-        mlp_layer_types=(ed.HASH_MOE,) * min(3, layers) + (ed.MOE,) * max(0, layers - 3),
+        mlp_layer_types=(ed.config.HASH_MOE,) * min(3, layers)
+        + (ed.config.MOE,) * max(0, layers - 3),
         compress_rate_csa=4,
         compress_rate_hca=128,
         index_n_heads=8,
@@ -54,7 +56,7 @@ def small_config(layers: int = 8, **overrides) -> ed.Config:
         num_experts_per_tok=4,
         moe_intermediate_size=512,
         routed_scaling_factor=1.5,
-        rope_scaling=ed.YarnScaling(factor=16.0, original_max_position_embeddings=65536),
+        rope_scaling=ed.config.YarnScaling(factor=16.0, original_max_position_embeddings=65536),
         num_nextn_predict_layers=0,
     )
     base.update(overrides)
@@ -68,7 +70,7 @@ def weight_kinds(config: ed.Config, dtype, quantized: bool = False) -> dict[str,
     all layers) and `other` (everything else)."""
     model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
     if quantized:
-        model = ed.abstract_quantized(model)
+        model = ed.quant.abstract_quantized(model)
     kinds = {"tables": 0.0, "row": 0.0, "experts": 0.0, "other": 0.0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(model):
         name = jax.tree_util.keystr(path)
@@ -193,7 +195,7 @@ def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
         # Ratios moved with the machine: f32 matmul 177 GFLOP/s on one, 470 with AVX-512 on
-        # another (benchmarks/NOTES.md, Round 9).
+        # another (benchmarks/archive/NOTES.md, Round 9).
         **_cpu_info(),
         "cores": os.cpu_count(),
         "jax": jax.__version__,
@@ -231,8 +233,12 @@ def _cpu_info() -> dict:
 
 
 def write(name: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
+    """`results/NAME.json` (the date it was recorded, UTC; the machine; `rows`; `extra`) and
+    `results/NAME.md` (`table`, printed too). docs/performance.md is generated from the JSON:
+    `python benchmarks/performance.py`."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": machine(), "rows": rows, **(extra or {})}
+    date = datetime.datetime.now(datetime.UTC).date().isoformat()
+    payload = {"date": date, "machine": machine(), "rows": rows, **(extra or {})}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     (RESULTS / f"{name}.md").write_text(table)
     print(table)
@@ -289,7 +295,7 @@ def keep_freed_memory(args) -> str:
 def fast_matmul(a, b):
     """`a @ b` in XLA:CPU's fastest form, the one `equinox_dsv4`'s layers use: for bf16
     operands a float32 result, cast after (a bf16 result converts both operands to float32
-    first; NOTES.md, item 18)."""
+    first; archive/NOTES.md, item 18)."""
     return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 

@@ -45,7 +45,7 @@ def compile_once(config: ed.Config, tokens: int = 512) -> dict:
         "total_seconds": t2 - t0,
         "argument_bytes": memory.argument_size_in_bytes,
         "temp_bytes": memory.temp_size_in_bytes,
-        "plan": ed.LayerPlan.from_config(config).describe(),
+        "plan": ed.config.LayerPlan.from_config(config).describe(),
     }
 
 

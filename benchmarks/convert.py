@@ -30,7 +30,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from convert._reader import write_safetensors  # noqa: E402
+from convert.reader import write_safetensors  # noqa: E402
 
 
 FP8 = re.compile(
@@ -94,7 +94,7 @@ def pieces(config: dict):
     import jax
 
     import equinox_dsv4 as ed
-    from equinox_dsv4._checkpoint import canonical_pieces
+    from equinox_dsv4.ckpt import canonical_pieces
 
     model = eqx.filter_eval_shape(ed.DeepseekV4, ed.Config.from_hf(config), key=jax.random.key(0))
     for name, leaf in canonical_pieces(model):
@@ -154,7 +154,7 @@ def write_checkpoint(
 
 
 def baseline_rss() -> int:
-    code = "import jax, convert; jax.devices(); print(convert._load.peak_rss_bytes())"
+    code = "import jax, convert; jax.devices(); print(convert.load.peak_rss_bytes())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     return int(out.stdout.strip().splitlines()[-1])
 

@@ -37,7 +37,8 @@ from common import (
 import equinox_dsv4 as ed
 
 
-# Untimed steps first: the first steps of a context ran up to 1.25x slower (NOTES.md, Round 4).
+# Untimed steps first: the first steps of a context ran up to 1.25x slower (archive/NOTES.md, Round
+# 4).
 WARMUP = 4
 
 
@@ -49,13 +50,15 @@ def ours_stepper(model, context: int, steps: int):
     cache = model.init_cache(1, max_len)
     greedy = ed.Sampling()
     key = jax.random.key(0)
-    token, cache = ed.prefill(
+    token, cache = ed.inference.prefill(
         model, jnp.asarray(ids), jnp.asarray([context]), cache, key, greedy, 2048
     )
 
     def step():
         nonlocal token, cache
-        token, cache = ed.decode_step(model, token, jnp.ones((1,), jnp.int32), cache, key, greedy)
+        token, cache = ed.inference.decode_step(
+            model, token, jnp.ones((1,), jnp.int32), cache, key, greedy
+        )
         block(token)
 
     step()  # compile

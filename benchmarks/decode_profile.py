@@ -48,8 +48,7 @@ from decode import WARMUP
 from decode_floor import step_bytes
 
 import equinox_dsv4 as ed
-from equinox_dsv4._dispatch import dispatch
-from equinox_dsv4._layers import linear
+from equinox_dsv4.execution import dispatch, linear
 
 
 CLASSES = (
@@ -67,17 +66,17 @@ def stepper(model, context: int, batch: int):
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, context))
     cache = model.init_cache(batch, context + 256)
     greedy, key = ed.Sampling(), jax.random.key(0)
-    token, cache = ed.prefill(
+    token, cache = ed.inference.prefill(
         model, jnp.asarray(ids, jnp.int32), jnp.full((batch,), context), cache, key, greedy, 2048
     )
     active = jnp.ones((batch,), jnp.int32)
-    text = ed.decode_step.lower(model, token, active, cache, key, greedy).compile()
+    text = ed.inference.decode_step.lower(model, token, active, cache, key, greedy).compile()
     text = text.compiled.as_text()
 
     def step():
         nonlocal token, cache
         active = jnp.ones((batch,), jnp.int32)
-        token, cache = ed.decode_step(model, token, active, cache, key, greedy)
+        token, cache = ed.inference.decode_step(model, token, active, cache, key, greedy)
         block(token)
 
     step()

@@ -94,7 +94,7 @@ def main() -> int:
             )
             ours_s, ours_faults = timing["ours_seconds"], timing["ours_faults"]
             ref_s, ref_faults = timing["reference_seconds"], timing["reference_faults"]
-            flops = ed.forward_flops(config, length)
+            flops = ed.train.forward_flops(config, length)
             row = {
                 "dtype": dtype_name,
                 "tokens": length,

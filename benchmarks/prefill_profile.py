@@ -3,7 +3,7 @@
 Our jitted prefill (`prefill.prefill`: the small config, batch 1, `--tokens` tokens, last
 position's logits) is timed, alternating with a large `jnp.dot` (2048^3, float32 result,
 `common.fast_matmul`) that gives the matmul rate the issue's target is stated against; the
-prefill's useful FLOPs (`ed.forward_flops`) over its time give its share of that rate (the
+prefill's useful FLOPs (`ed.train.forward_flops`) over its time give its share of that rate (the
 median over the alternating pairs). Then it is traced with `jax.profiler`: every XLA:CPU kernel
 whose compiled instruction is a dot, or a fusion containing one, is a matrix product, and its
 FLOPs are counted from the compiled program's shapes (2 x result elements x contracted size);
@@ -100,7 +100,7 @@ def main() -> int:
     model = ed.DeepseekV4(config, key=jax.random.key(0), dtype=dtype)
     ids = jnp.asarray(random_ids(1, args.tokens))
     table, computations = parse(prefill.lower(model, ids).compile().compiled.as_text())
-    useful = ed.forward_flops(config, args.tokens)
+    useful = ed.train.forward_flops(config, args.tokens)
     # The prefill and the matmul alternate, and the share is the median over those pairs: this
     # machine's rates drift by a quarter within minutes, and both drift together.
     square = jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype)

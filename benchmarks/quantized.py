@@ -3,7 +3,7 @@ dequantised by each matmul) against the same model's bfloat16 weights.
 
 Both: the jitted decode step of `generate` (cache donated) after a chunked prefill of the
 context, the "small" config (benchmarks/common.py), batch 1, bfloat16 compute. The quantised
-model is `ed.quantize_model` of the bfloat16 one (128 x 128 FP8 blocks, 1 x 32 FP4 blocks).
+model is `ed.quant.quantize_model` of the bfloat16 one (128 x 128 FP8 blocks, 1 x 32 FP4 blocks).
 Their steps alternate (`common.timed_pair`); "ratio" is the median over the pairs of bf16
 seconds / quantised seconds (above 1: quantised is faster). The resident weight bytes of both
 are measured on the live arrays.
@@ -36,9 +36,9 @@ def main() -> int:
     threads = set_threads()
     config = small_config(args.layers)
     dense = ed.DeepseekV4(config, key=jax.random.key(0), dtype=jnp.bfloat16)
-    quantized = ed.quantize_model(dense)
+    quantized = ed.quant.quantize_model(dense)
     sizes = {"bf16": resident_bytes(dense), "quantized": resident_bytes(quantized)}
-    split = ed.weight_bytes(quantized)
+    split = ed.quant.weight_bytes(quantized)
     print(
         f"resident weights: bf16 {sizes['bf16'] / 2**20:.1f} MiB, quantised "
         f"{sizes['quantized'] / 2**20:.1f} MiB ({split['quantized'] / 2**20:.1f} MiB of it "

@@ -9,7 +9,7 @@ one layer of each scanned group. XLA's per-chip FLOPs and bytes accessed become 
 v5p's published peak (`PEAK_FLOPS`, `HBM_BYTES_PER_S`): `max(FLOPs / peak, bytes / bandwidth)`,
 compute and memory traffic overlapped perfectly. The floor counts what the step must do:
 
-- prefill: the model's useful FLOPs (`ed.forward_flops`, per sequence) over the slice's
+- prefill: the model's useful FLOPs (`ed.train.forward_flops`, per sequence) over the slice's
   peak, and every weight read once over the slice's bandwidth; the larger of the two.
 - decode: the weight bytes the batch must read (embedding and hash tables one row per
   sequence, each layer's routed experts the expected fraction a batch of `B` tokens touches
@@ -63,7 +63,8 @@ RUNS = {
     "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
     # The decode step as before Round 19: every chip gathers its experts' weights over fsdp.
     "flash-b-64-gather": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("decode",), 0),
-    # The embedding and the head split along the vocabulary instead of d_model (NOTES item 56).
+    # The embedding and the head split along the vocabulary instead of d_model (archive/NOTES.md,
+    # item 56).
     "flash-b-64-vocab": (
         "v4-flash",
         False,
@@ -88,10 +89,7 @@ def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None
         model, quantized, topology, mesh, _, stationary, *rules = RUNS[name]
         cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
         if stationary is not None:
-            patch = "import equinox_dsv4._experts as e, runpy, sys; "
-            patch += f"e.STATIONARY_ROWS = {stationary}; sys.argv[0] = 'compile'; "
-            patch += "runpy.run_module('equinox_dsv4.compile', run_name='__main__')"
-            cmd = [sys.executable, "-c", patch]
+            cmd += ["--policy", f"stationary_rows={stationary}"]
         cmd += compile_arguments(model, quantized, topology, mesh, phase, out)
         cmd += [a for rule in (rules[0] if rules else ()) for a in ("--rule", rule)]
         cmd += ["--unrolled", "--prefill", str(PREFILL), "--hlo", str(work / (name + suffix))]
@@ -209,9 +207,9 @@ def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[s
     e, k = config.n_routed_experts, config.num_experts_per_tok
     touched = 1 - (1 - k / e) ** batch
     decode_bytes = kinds["other"] + kinds["experts"] * touched + kinds["row"] * batch
-    decode_flops = 2 * ed.active_parameters(config) * batch
+    decode_flops = 2 * ed.train.active_parameters(config) * batch
     prefill_bytes = kinds["tables"] + kinds["experts"] + kinds["other"]
-    prefill_fl = ed.forward_flops(config, PREFILL) * batch
+    prefill_fl = ed.train.forward_flops(config, PREFILL) * batch
     out = {}
     for phase, nbytes, flops in (
         ("prefill", prefill_bytes, prefill_fl),

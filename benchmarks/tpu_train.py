@@ -14,8 +14,9 @@ forward, backward, optimizer update and router-bias update) on the recommended r
   5 layers plus (layers - 5) / 2 times the difference the 6th and 7th make.
 
 From those: a roofline step time at v5p's published peak (`max(FLOPs / peak, bytes / HBM
-bandwidth)`) and the MFU it gives the step's useful FLOPs (`ed.train_flops`). Within a layer the
-experts' loop still counts once, so this time is a lower bound and the MFU an upper bound.
+bandwidth)`) and the MFU it gives the step's useful FLOPs (`ed.train.train_flops`). Within a
+layer the experts' loop still counts once, so this time is a lower bound and the MFU an upper
+bound.
 Estimates from the compiler on a CPU host; no TPU ran them.
 
     python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]
@@ -119,7 +120,7 @@ def main() -> int:
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
         else:
             cost = extrapolated(*costs, config.num_hidden_layers)
-            useful = ed.train_flops(config, SEQ_LEN) * batch / chips
+            useful = ed.train.train_flops(config, SEQ_LEN) * batch / chips
             seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
             row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
             row |= {"estimate_seconds": seconds, "mfu_estimate": useful / seconds / peak}

@@ -6,12 +6,8 @@
   `equinox_dsv4.load(out_dir, mesh=...)` reads.
 """
 
-from equinox_dsv4._checkpoint import CheckpointError as CheckpointError, fill as fill
+from equinox_dsv4.ckpt import CheckpointError as CheckpointError, fill as fill
 
-from ._load import (
-    MTPSkippedWarning as MTPSkippedWarning,
-    convert as convert,
-    load_hf as load_hf,
-    plan as plan,
-)
-from ._names import hf_to_canonical as hf_to_canonical
+from .load import convert as convert, load_hf as load_hf
+from .names import hf_to_canonical as hf_to_canonical
+from .plan import MTPSkippedWarning as MTPSkippedWarning, plan as plan

@@ -19,10 +19,9 @@ import warnings
 import jax.numpy as jnp
 
 import equinox_dsv4 as ed
-from equinox_dsv4._checkpoint import CheckpointError
-from equinox_dsv4.compile import parse_mesh
+from equinox_dsv4.ckpt import CheckpointError
 
-from ._load import convert
+from .load import convert
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         help="load onto this mesh of all devices and save from there, e.g. expert=8 (default "
         "with several processes: expert over all devices where it divides the experts)",
     )
-    ed.add_distributed_arguments(parser)
+    ed.parallel.add_distributed_arguments(parser)
     args = parser.parse_args(argv)
     with warnings.catch_warnings():  # restores the default display afterwards
         warnings.showwarning = _one_line
         try:
-            ed.initialize_from_args(args)
-            mesh = ed.make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+            ed.parallel.initialize_from_args(args)
+            mesh = ed.make_mesh(**ed.parallel.parse_mesh(args.mesh)) if args.mesh else None
             summary = convert(
                 args.hf_dir,
                 args.out_dir,
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-    if not ed.is_primary():
+    if not ed.parallel.is_primary():
         return 0
     mib = summary["bytes"] / 2**20
     shared = (

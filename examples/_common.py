@@ -1,9 +1,10 @@
 """What the example scripts share: where the model comes from, sampling options, streamed text.
 
 With no model argument a script runs the embedded default: a tiny model built from
-`equinox_dsv4/configs/tiny.json` with RANDOM (seeded) weights, so its text is meaningless; it shows
-the whole path working. `--checkpoint DIR` (a model saved by `python -m convert` or
-`equinox_dsv4.save`) or `--hf DIR` (a Hugging Face DeepSeek-V4 checkpoint) gives real weights.
+`equinox_dsv4/config/presets/tiny.json` with RANDOM (seeded) weights, so its text is
+meaningless; it shows the whole path working. `--checkpoint DIR` (a model saved by `python -m
+convert` or `equinox_dsv4.save`) or `--hf DIR` (a Hugging Face DeepSeek-V4 checkpoint) gives
+real weights.
 """
 
 import argparse
@@ -31,7 +32,7 @@ def run_reporting_errors(run: Callable[[argparse.Namespace], int], args: argpars
     1, not a traceback."""
     try:
         if hasattr(args, "coordinator"):
-            ed.initialize_from_args(args)
+            ed.parallel.initialize_from_args(args)
         return run(args)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
@@ -50,28 +51,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--mesh` and the options of several processes (`ed.add_distributed_arguments`)."""
+    """`--mesh` and the options of several processes (`ed.parallel.add_distributed_arguments`)."""
     parser.add_argument(
         "--mesh",
         metavar="AXIS=N,...",
         help="place the model on a mesh of all devices, e.g. fsdp=2,expert=4 (axes data, fsdp, "
         "tensor, expert); default: one device, or with several processes fsdp over all",
     )
-    ed.add_distributed_arguments(parser)
+    ed.parallel.add_distributed_arguments(parser)
 
 
 def mesh_from(args: argparse.Namespace) -> Mesh | None:
     """The mesh `--mesh` asks for (`None`: one device, unless there are several processes)."""
     if args.mesh is None:
         return ed.make_mesh(fsdp=jax.device_count()) if jax.process_count() > 1 else None
-    from equinox_dsv4.compile import parse_mesh
-
-    return ed.make_mesh(**parse_mesh(args.mesh))
+    return ed.make_mesh(**ed.parallel.parse_mesh(args.mesh))
 
 
 def say(*args, **kwargs) -> None:
     """`print` to stderr, in process 0 only (the others run the same program silently)."""
-    if ed.is_primary():
+    if ed.parallel.is_primary():
         print(*args, file=sys.stderr, **kwargs)
 
 
@@ -119,7 +118,7 @@ def load_model(
 
 
 def check_vocabulary(model: ed.DeepseekV4) -> None:
-    if model.config.vocab_size < ed.load_tokenizer().get_vocab_size():
+    if model.config.vocab_size < ed.text.load_tokenizer().get_vocab_size():
         raise ValueError(
             f"the model's vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's"
         )

@@ -124,7 +124,7 @@ class Replier:
         self.sampling = sampling(args)
         self.key = jax.random.key(args.seed)
         self.colour = out.isatty()
-        self.eos = ed.load_tokenizer().token_to_id(EOS)
+        self.eos = ed.text.load_tokenizer().token_to_id(EOS)
 
     def __call__(self, prompt: str, thinking: bool) -> str:
         ids = ed.encode_text(prompt)

@@ -1,7 +1,7 @@
 """Generate text with DeepSeek-V4: the real tokenizer, the compressed KV cache, streaming output.
 
 With no model argument it runs the embedded default: a tiny model built from
-`equinox_dsv4/configs/tiny.json` with RANDOM (seeded) weights, so its text is meaningless; it
+`equinox_dsv4/config/presets/tiny.json` with RANDOM (seeded) weights, so its text is meaningless; it
 shows the whole path working. Give `--checkpoint DIR` (a model saved by `python -m convert` or
 `equinox_dsv4.save`) or `--hf DIR` (a Hugging Face DeepSeek-V4 checkpoint) for real weights.
 """
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if not running[0]:
             return
         stamps.append(time.perf_counter())
-        if ed.is_primary():
+        if ed.parallel.is_primary():
             print(text_stream.push(tokens[0]), end="", flush=True)
 
     say(args.prompt if args.raw else f"> {args.prompt}")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         stats=stats,
     )
-    if ed.is_primary():
+    if ed.parallel.is_primary():
         print()
     prefill = stamps[0] - start
     say(

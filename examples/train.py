@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balance-weight", type=float, default=1e-4)
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="router-bias update step")
     parser.add_argument(
-        "--remat", choices=("none", *ed.REMAT_POLICIES), default="dots", help="per-layer remat"
+        "--remat",
+        choices=("none", *ed.train.REMAT_POLICIES),
+        default="dots",
+        help="per-layer remat",
     )
     parser.add_argument(
         "--micro-batches",
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         help="FSDP over this many devices (default: 1, or all devices with several processes)",
     )
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
-    ed.add_distributed_arguments(parser)
+    ed.parallel.add_distributed_arguments(parser)
     return run_reporting_errors(run, parser.parse_args(argv))
 
 
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         state = ed.init_train_state(model, optimizer)
         position = 0
         if (state_dir / "train_state.json").is_file():
-            state, position = ed.restore_train_state(state_dir, state)
+            state, position = ed.train.restore_train_state(state_dir, state)
             say(f"resumed at step {int(state.step)} from {state_dir}")
         start = int(state.step)
         if start >= args.steps:
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             desc="train",
             unit="step",
             file=sys.stderr,
-            disable=not ed.is_primary(),
+            disable=not ed.parallel.is_primary(),
         )
         seen, timed_from = 0, None
         for step in range(start, stop):
@@ -160,13 +163,13 @@ def run(args: argparse.Namespace) -> int:
             )
             bar.update(1)
             if (step + 1) % args.save_every == 0 or step + 1 == stop:
-                ed.save_train_state(state_dir, state, data_position=position)
+                ed.train.save_train_state(state_dir, state, data_position=position)
         bar.close()
 
     model_dir = out / "model"
-    if ed.is_primary():
+    if ed.parallel.is_primary():
         shutil.rmtree(model_dir, ignore_errors=True)
-    ed.barrier("examples-train-old-model-removed")
+    ed.parallel.barrier("examples-train-old-model-removed")
     ed.save(model_dir, state.model)
     say(
         f"trained steps {start}..{stop} of {args.steps}: final loss {loss:.4f}, "

@@ -14,10 +14,10 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 from convert import fill, hf_to_canonical
-from equinox_dsv4._checkpoint import block_path
+from equinox_dsv4.ckpt import block_path
 
 
-S, C, H = ed.SLIDING, ed.CSA, ed.HCA
+S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
 
 
 def tiny_config(**overrides) -> ed.Config:
@@ -44,7 +44,8 @@ def tiny_config(**overrides) -> ed.Config:
         o_lora_rank=8,
         sliding_window=8,
         layer_types=layer_types,
-        mlp_layer_types=(ed.HASH_MOE,) * min(n, hashed) + (ed.MOE,) * max(0, n - hashed),
+        mlp_layer_types=(ed.config.HASH_MOE,) * min(n, hashed)
+        + (ed.config.MOE,) * max(0, n - hashed),
         compress_rate_csa=4,
         compress_rate_hca=8,
         index_n_heads=8,
@@ -56,7 +57,7 @@ def tiny_config(**overrides) -> ed.Config:
         moe_intermediate_size=16,
         routed_scaling_factor=1.5,
         swiglu_limit=10.0,
-        rope_scaling=ed.YarnScaling(factor=4.0, original_max_position_embeddings=32),
+        rope_scaling=ed.config.YarnScaling(factor=4.0, original_max_position_embeddings=32),
         max_position_embeddings=128,
         num_nextn_predict_layers=1,
         hc_sinkhorn_iters=3,

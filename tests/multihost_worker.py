@@ -35,7 +35,7 @@ import jax  # noqa: E402
 import equinox_dsv4 as ed  # noqa: E402
 
 
-ed.initialize(
+ed.parallel.initialize(
     spec["coordinator"],
     spec["processes"],
     process,
@@ -115,8 +115,8 @@ for step in spec["steps"]:
             leaves = jax.tree.leaves(eqx.filter(new.model, eqx.is_array))
             split = [x for x in leaves if not x.sharding.is_fully_replicated]
             report["split_after_step"] = [len(split), len(leaves)]
-            ed.save_train_state(out / "state", new, data_position=7)
-            restored, position = ed.restore_train_state(out / "state", start)
+            ed.train.save_train_state(out / "state", new, data_position=7)
+            restored, position = ed.train.restore_train_state(out / "state", start)
         same = jax.tree.map(
             lambda a, b: bool(jnp.array_equal(a, b)),
             eqx.filter(restored, eqx.is_array),
@@ -136,12 +136,12 @@ for step in spec["steps"]:
     elif step == "die":
         if process == 1:
             os._exit(3)
-        ed.barrier("process-1-never-comes")
+        ed.parallel.barrier("process-1-never-comes")
     else:
         raise ValueError(f"unknown step {step!r}")
     report.setdefault("seconds", {})[step] = round(time.perf_counter() - t0, 2)
 
 (out / f"process-{process}.json").write_text(json.dumps(report))
-if ed.is_primary():
+if ed.parallel.is_primary():
     np.savez(out / "arrays.npz", **arrays)
-ed.barrier("worker-done")
+ed.parallel.barrier("worker-done")

@@ -19,8 +19,8 @@ import numpy as np
 
 import equinox_dsv4 as ed
 from convert import hf_to_canonical
-from convert._reader import write_safetensors
-from equinox_dsv4._checkpoint import canonical_pieces
+from convert.reader import write_safetensors
+from equinox_dsv4.ckpt import canonical_pieces
 
 
 FP4_LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
@@ -93,7 +93,7 @@ def dequantize_fp4(packed, scale):
 
 def official_config(config: ed.Config, fp8_block: int = 128) -> dict:
     """The config in the release's own flavour (as in deepseek-ai/DeepSeek-V4-Flash)."""
-    ratio = {ed.SLIDING: 0, ed.CSA: 4, ed.HCA: config.compress_rate_hca}
+    ratio = {ed.config.SLIDING: 0, ed.config.CSA: 4, ed.config.HCA: config.compress_rate_hca}
     hf = config.to_hf()
     out = {
         k: v

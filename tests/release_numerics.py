@@ -3,7 +3,7 @@ quantisation functions (deepseek-ai DeepSeek-V4 `inference/kernel.py`: `act_quan
 scales, `fp4_act_quant`, and `rotate_activation`'s Hadamard transform), and `patch`, which puts
 them into a transformers `DeepseekV4ForCausalLM` at the points where the official
 `inference/model.py` applies them. Written from the official code's description, in torch,
-independently of `equinox_dsv4._numerics`.
+independently of `equinox_dsv4.quant`'s round trips.
 """
 
 import contextlib

@@ -22,7 +22,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._attention import attend
+from equinox_dsv4.nn import attend
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -45,7 +45,7 @@ def run_reference(reference, rotary, x, window):
 
 
 # Layers of tiny_config: 0 sliding, 2 CSA (hash), 3 HCA. Batch 2 x seq 3 takes the output
-# projection's few-token einsum (`_attention._FEW_TOKENS`), longer ones its per-group matmuls.
+# projection's few-token einsum (`Policy.few_tokens`), longer ones its per-group matmuls.
 @pytest.mark.parametrize("layer", [0, 2, 3])
 @pytest.mark.parametrize("seq", [3, 13, 37])
 def test_attention_matches_reference(getkey, layer, seq):
@@ -66,7 +66,10 @@ def test_attention_window_longer_than_sequence(getkey):
     config = tiny_config(sliding_window=64)
     reference, rotary = reference_attention(config, 3, seed=5)
     ours = load_component(
-        abstract(ed.nn.Attention, config, ed.HCA), reference, "model.layers.3.self_attn.", ".attn"
+        abstract(ed.nn.Attention, config, ed.config.HCA),
+        reference,
+        "model.layers.3.self_attn.",
+        ".attn",
     )
     x = jax.random.normal(getkey(), (1, 40, config.hidden_size))
     np.testing.assert_allclose(
@@ -92,7 +95,7 @@ def test_attend_by_hand():
 def test_bf16_attention_products_read_bf16_activations():
     # Every product of `attend` (sliding window, dense and picked compressed entries) takes the
     # bf16 activations as they are, with a float32 result: upcasting them first, as XLA:CPU
-    # once needed, cost 9% of a bf16 prefill (benchmarks/NOTES.md, item 59).
+    # once needed, cost 9% of a bf16 prefill (benchmarks/archive/NOTES.md, item 59).
     b, t, h, d, w, m, k = 1, 64, 4, 32, 16, 8, 4
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
@@ -130,7 +133,7 @@ def test_attend_compressed_entries_by_hand():
 
 def test_attention_bf16_runs(getkey):
     config = tiny_config()
-    attn = random_fill(abstract(ed.nn.Attention, config, ed.CSA, dtype=jnp.bfloat16), 0)
+    attn = random_fill(abstract(ed.nn.Attention, config, ed.config.CSA, dtype=jnp.bfloat16), 0)
     x = jax.random.normal(getkey(), (1, 21, config.hidden_size)).astype(jnp.bfloat16)
     out = eqx.filter_jit(attn)(x)
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())

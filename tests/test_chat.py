@@ -139,7 +139,7 @@ def test_errors_name_the_problem(messages, options, message):
 def test_tokens_and_decoding():
     prompt = next(c for c in CASES["conversations"] if c["name"] == "tools_thinking")["prompt"]
     ids = ed.encode_text(prompt)
-    tokenizer = ed.load_tokenizer()
+    tokenizer = ed.text.load_tokenizer()
     for marker in (
         "<｜User｜>",
         "<｜Assistant｜>",

@@ -142,13 +142,14 @@ def test_indexer_matches_reference(getkey, seq):
 
 @pytest.mark.parametrize("queries", [1, 2, 8])
 def test_indexer_scores_of_a_few_queries(getkey, queries):
-    # Up to `_FEW_QUERIES` queries (decoding) the scores are computed in another layout: the
-    # last queries of a sequence against all its keys, as the reference scores them.
+    # Up to `LightningIndexer.FEW_QUERIES` queries (decoding) the scores are computed in
+    # another layout: the last queries of a sequence against all its keys, as the reference
+    # scores them.
     config = tiny_config()
     seq = 37
     reference, ours = _indexer_pair(getkey, config, seed=queries)
     x, qr, positions = _inputs(getkey(), config, 2, seq)
-    assert queries <= ed._indexer._FEW_QUERIES
+    assert queries <= ed.nn.LightningIndexer.FEW_QUERIES
     _, ref_scores = _reference_picks_and_scores(reference, x, qr, positions)
     keys = ours.compressor(x)
     last = slice(seq - queries, seq)
@@ -161,7 +162,7 @@ def test_indexer_scores_of_a_few_queries(getkey, queries):
 def test_indexer_decode_scores_read_the_keys_as_stored(dtype):
     # A decoded token's scores against all the keys: with the keys as the product's columns
     # XLA:CPU copied them transposed (bf16: converted to float32) on every token, float32 1.9x
-    # slower at 4k keys and 3.3x at 16k (benchmarks/NOTES.md, item 33). The temporaries must
+    # slower at 4k keys and 3.3x at 16k (benchmarks/archive/NOTES.md, item 33). The temporaries must
     # stay below the keys' own size: here 1 MiB of float32 keys, 128 KiB of scores.
     config = tiny_config(index_n_heads=8, index_head_dim=64)
     indexer = abstract(ed.nn.LightningIndexer, config, dtype=dtype)

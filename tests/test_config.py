@@ -9,7 +9,7 @@ import transformers
 from hf_reference import C, H, S, tiny_config
 
 import equinox_dsv4 as ed
-from equinox_dsv4._hf_config import IGNORED_HF_KEYS
+from equinox_dsv4.config import IGNORED_HF_KEYS
 
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -31,9 +31,11 @@ def test_flash_preset_values():
         1024,
     )
     assert c.layer_types[:3] == (S, S, C) and c.layer_types[3:] == (H, C) * 20
-    assert c.mlp_layer_types == (ed.HASH_MOE,) * 3 + (ed.MOE,) * 40
+    assert c.mlp_layer_types == (ed.config.HASH_MOE,) * 3 + (ed.config.MOE,) * 40
     assert (c.compress_rate_csa, c.compress_rate_hca) == (4, 128)
-    assert c.rope_scaling == ed.YarnScaling(factor=16.0, original_max_position_embeddings=65536)
+    assert c.rope_scaling == ed.config.YarnScaling(
+        factor=16.0, original_max_position_embeddings=65536
+    )
     assert (c.n_routed_experts, c.num_experts_per_tok, c.routed_scaling_factor) == (256, 6, 1.5)
     assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (64, 128, 512)
     assert c.fp8_block_size == (128, 128) and c.expert_dtype == "fp4"

@@ -23,8 +23,7 @@ from release_layout import hf_state_from_canonical, write_release_checkpoint
 
 import convert
 import equinox_dsv4 as ed
-from convert._quant import dequantize_fp4, dequantize_fp8, unpack_fp4
-from convert._reader import write_safetensors
+from convert.reader import write_safetensors
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -82,14 +81,22 @@ def release_reference_logits(release, reference):
 
 
 # ---------------------------------------------------------------------------------------------
-# dequantisation by hand
+# dequantisation by hand (the converter's: `equinox_dsv4.quant.dequantize_host`)
+
+
+def dequantize_fp4(packed, scale):
+    return ed.quant.dequantize_host(packed, scale)
+
+
+def dequantize_fp8(q, scale, block=(128, 128)):
+    return ed.quant.dequantize_host(q, scale, block)
 
 
 def test_all_sixteen_fp4_nibbles():
     # byte = high << 4 | low; low nibble is the even column.
     lut = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
     packed = np.array([[(15 - n) << 4 | n for n in range(16)]], np.uint8).view(np.int8)
-    values = unpack_fp4(packed)
+    values = dequantize_fp4(packed, np.full((1, 1), 127, np.uint8))  # scale 2^0
     np.testing.assert_array_equal(values[0, 0::2], lut)
     np.testing.assert_array_equal(values[0, 1::2], lut[::-1])
     assert np.signbit(values[0, 16]) and values[0, 16] == 0  # nibble 8 is -0
@@ -215,7 +222,7 @@ def test_sharded_load_on_eight_devices(release):
     path, _ = release
     mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sharded = convert.load_hf(path, mesh=mesh, numerics="exact")
-    expected = ed.partition_specs(sharded, mesh)
+    expected = ed.parallel.partition_specs(sharded, mesh)
     for leaf, spec in zip(
         jax.tree.leaves(sharded),
         jax.tree.leaves(expected, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
@@ -306,7 +313,7 @@ def _shard_of(bad: pathlib.Path, name: str) -> pathlib.Path:
 
 
 def _rewrite_shard(bad: pathlib.Path, name: str, edit) -> None:
-    from convert._reader import list_tensors, read_tensor
+    from convert.reader import list_tensors, read_tensor
 
     shard = _shard_of(bad, name)
     tensors = {

@@ -1,6 +1,8 @@
 """The compressed KV cache: prefill + one-token decode steps equal one full forward, chunked
 prefill equals one prefill, per-sequence positions, no recompilation, cache sizes."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -9,9 +11,7 @@ import pytest
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
-from equinox_dsv4 import _generate
-from equinox_dsv4._policy import resolve
-from equinox_dsv4._stack import LayerStack
+from equinox_dsv4.nn import LayerStack
 
 
 CONFIGS = {
@@ -161,24 +161,23 @@ def test_decoding_past_max_len_is_an_error(setups):
     # that its programs are reused across processes.
     lengths, key = jnp.array([9, 9], jnp.int32), jax.random.key(0)
     with pytest.raises(Exception, match="max_len"):
-        tokens, _ = ed.prefill(
+        tokens, _ = ed.inference.prefill(
             model, ids[:, :9], lengths, model.init_cache(2, 8), key, ed.Sampling()
         )
         jax.block_until_ready(tokens)
-    policy = resolve(None, model.embed.weight)
     step = (model, ids[:, 8], jnp.ones(2, jnp.int32), cache, key, ed.Sampling())
-    assert "callback" in ed.decode_step.lower(*step).as_text()
-    assert "callback" not in _generate._unchecked_step.lower(*step, policy).as_text()
-    chunk = (model, ids[:, 8:10], jnp.ones(2, jnp.int32), cache, policy)
-    assert "callback" in _generate._prefill_chunk.lower(*chunk, True).as_text()
-    assert "callback" not in _generate._prefill_chunk.lower(*chunk, False).as_text()
+    chunk = (model, ids[:, 8:10], jnp.ones(2, jnp.int32), cache, key, ed.Sampling())
+    for run, args in ((ed.inference.decode_step, step), (ed.inference.prefill, chunk)):
+        for checked in (True, False):
+            program = eqx.filter_jit(lambda *a, run=run, c=checked: run(*a, checked=c)).lower(*args)
+            assert ("callback" in program.as_text()) == checked, (run, checked)
 
 
 def test_cache_bytes_by_hand():
     config = tiny_config()
-    per_token = ed.cache_bytes_per_token(config, jnp.float32)
+    per_token = ed.inference.cache_bytes_per_token(config, jnp.float32)
     assert per_token == {S: 0.0, C: (32 + 16) * 4 / 4, H: 32 * 4 / 8}
-    sizes = ed.cache_bytes(config, 64, batch=1, dtype=jnp.float32)
+    sizes = ed.inference.cache_bytes(config, 64, batch=1, dtype=jnp.float32)
     # What init_cache allocates (the float32 compressor buffers included).
     model = abstract(ed.DeepseekV4, config)
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64, jnp.float32), model)
@@ -212,7 +211,7 @@ def _decode_step_temporaries(model, max_len: int) -> int:
 def test_bf16_cache_writes_do_not_convert_the_cache():
     # XLA:CPU ran a bf16 scatter in float32, converting each compressed cache there and back
     # every step: 825 KiB of temporaries here against 165 for float32. `set_rows` writes a
-    # step's few rows in place: 207 KiB (benchmarks/NOTES.md, Round 9). Unrolled layers: the
+    # step's few rows in place: 207 KiB (benchmarks/archive/NOTES.md, Round 9). Unrolled layers: the
     # small config of the benchmarks has no layer scan.
     config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
     f32 = _decode_step_temporaries(abstract(ed.DeepseekV4, config), 4096)
@@ -220,24 +219,26 @@ def test_bf16_cache_writes_do_not_convert_the_cache():
     assert bf16 < 2 * f32, (bf16, f32)
 
 
-def test_bf16_decode_equals_the_scatter_writes(monkeypatch):
-    # The same bf16 decode with every cache write a scatter (`_FEW_WRITES` below any count):
-    # bit for bit the same caches and logits.
+def test_bf16_decode_equals_the_scatter_writes():
+    # The same bf16 decode with every cache write a scatter (`Policy.few_writes` below any
+    # count): bit for bit the same caches and logits.
     config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
     model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), seed=3)
     ids = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (1, 24)), jnp.int32)
 
-    def run():  # one token a step, so that every write is a decode step's
+    def run(policy):  # one token a step, so that every write is a decode step's
+        placed = ed.execution.with_policy(model, policy)
         step = eqx.filter_jit(lambda m, i, c: m.decode(i, c))
-        cache, out = model.init_cache(1, 32), []
+        cache, out = placed.init_cache(1, 32), []
         for t in range(ids.shape[1]):
-            logits, cache = step(model, ids[:, t : t + 1], cache)
+            logits, cache = step(placed, ids[:, t : t + 1], cache)
             out.append(logits)
         return out, cache
 
-    ours = run()
-    monkeypatch.setattr(ed._layers, "_FEW_WRITES", -1)
-    scattered = run()
+    cpu = ed.execution.Policy.for_platform("cpu")
+    assert cpu.widen_16bit and cpu.few_writes >= 1
+    ours = run(cpu)
+    scattered = run(dataclasses.replace(cpu, few_writes=-1))
     for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(scattered), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -251,8 +252,8 @@ def test_stacked_cache_is_updated_in_place(dtype, scan):
     # write that wrote the old row back for a dropped index also copied the stack. Here the
     # cache grows by 720 KiB (float32) / 360 KiB (bf16) from 256 to 4096 tokens; the
     # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 74 and
-    # 29 / 72 (NOTES items 32-33): a layer's index keys and HCA entries, copied out of the stack
-    # for their products (bf16: the HCA entries converted to float32 there).
+    # 29 / 72 (archive/NOTES.md, items 32-33): a layer's index keys and HCA entries, copied out of
+    # the stack for their products (bf16: the HCA entries converted to float32 there).
     config = tiny_config(
         layer_types=(C, H) * 3,
         num_hash_layers=0,

@@ -87,20 +87,23 @@ def test_stop_tokens_and_callback(pair):
 def test_sampling():
     logits = jnp.log(jnp.array([[0.1, 0.2, 0.7], [0.5, 0.3, 0.2]]))
     key = jax.random.key(0)
-    assert list(ed.sample(logits, key, ed.Sampling())) == [2, 0]
-    assert list(ed.sample(logits, key, ed.Sampling(temperature=1.0, top_k=1))) == [2, 0]
-    assert list(ed.sample(logits, key, ed.Sampling(temperature=1.0, top_p=0.05))) == [2, 0]
+    assert list(ed.inference.sample(logits, key, ed.Sampling())) == [2, 0]
+    assert list(ed.inference.sample(logits, key, ed.Sampling(temperature=1.0, top_k=1))) == [2, 0]
+    assert list(ed.inference.sample(logits, key, ed.Sampling(temperature=1.0, top_p=0.05))) == [
+        2,
+        0,
+    ]
     # Frequencies follow the softmax; top_p=0.75 keeps the two most likely of row 0 (0.7, 0.2).
     keys = jax.random.split(key, 4000)
-    draws = np.asarray(jax.vmap(lambda k: ed.sample(logits, k, ed.Sampling(1.0)))(keys))
+    draws = np.asarray(jax.vmap(lambda k: ed.inference.sample(logits, k, ed.Sampling(1.0)))(keys))
     np.testing.assert_allclose(
         np.bincount(draws[:, 0], minlength=3) / 4000, [0.1, 0.2, 0.7], atol=0.03
     )
-    nucleus = jax.vmap(lambda k: ed.sample(logits, k, ed.Sampling(1.0, top_p=0.75)))(keys)
+    nucleus = jax.vmap(lambda k: ed.inference.sample(logits, k, ed.Sampling(1.0, top_p=0.75)))(keys)
     counts = np.bincount(np.asarray(nucleus)[:, 0], minlength=3) / 4000
     np.testing.assert_allclose(counts, [0.0, 0.2 / 0.9, 0.7 / 0.9], atol=0.03)
     # Temperature sharpens: at 0.1 row 0 is almost always token 2.
-    cold = jax.vmap(lambda k: ed.sample(logits, k, ed.Sampling(0.1)))(keys)
+    cold = jax.vmap(lambda k: ed.inference.sample(logits, k, ed.Sampling(0.1)))(keys)
     assert (np.asarray(cold)[:, 0] == 2).mean() > 0.99
 
 
@@ -123,7 +126,7 @@ def test_greedy_is_the_first_largest_logit(vocab, dtype):
     ]
     logits = jnp.asarray(np.stack(rows), dtype)
     expected = np.argmax(np.asarray(logits.astype(jnp.float32)), axis=-1)
-    picked = jax.jit(lambda x: ed.sample(x, jax.random.key(0), ed.Sampling()))(logits)
+    picked = jax.jit(lambda x: ed.inference.sample(x, jax.random.key(0), ed.Sampling()))(logits)
     assert picked.dtype == jnp.int32
     np.testing.assert_array_equal(picked, expected)
 
@@ -167,7 +170,7 @@ def test_chat_format_and_tokenizer():
     assert thinking.endswith("<｜Assistant｜><think>")
     ids = ed.encode_text(prompt)
     assert ids[0] == 0 and ids[-2:] == [128804, 128822] and 128803 in ids and 1 in ids
-    assert ed.load_tokenizer().get_vocab_size() == 129280
+    assert ed.text.load_tokenizer().get_vocab_size() == 129280
     assert ed.decode_text(ed.encode_text("Hello, world")) == "Hello, world"
     with pytest.raises(ValueError, match="unknown role"):
         ed.chat_prompt([{"role": "narrator", "content": "x"}])

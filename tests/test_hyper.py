@@ -20,7 +20,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._hyper import sinkhorn
+from equinox_dsv4.nn import sinkhorn
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -12,8 +12,8 @@ from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._layers import linear, map_chunks, rms_normalize, set_rows, zeros_after
-from equinox_dsv4._rope import inverse_frequencies
+from equinox_dsv4.execution import linear, map_chunks, set_rows, zeros_after
+from equinox_dsv4.nn import inverse_frequencies, rms_normalize
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -46,7 +46,7 @@ def test_unweighted_norm_matches_reference(getkey):
 def test_yarn_released_correction_range():
     # V4 compress rope: dim 64, theta 160000, factor 16, original 65536 -> pairs 0..14 keep the
     # original frequency, 25..31 are divided by 16, 15..24 are blended (low 15, high 25).
-    yarn = ed.YarnScaling(factor=16.0, original_max_position_embeddings=65536)
+    yarn = ed.config.YarnScaling(factor=16.0, original_max_position_embeddings=65536)
     base = inverse_frequencies(64, 160000.0, None)
     scaled = inverse_frequencies(64, 160000.0, yarn)
     np.testing.assert_array_equal(scaled[:16], base[:16])
@@ -60,7 +60,7 @@ def test_yarn_released_correction_range():
 @pytest.mark.parametrize("label", ["main", "compress"])
 def test_inverse_frequencies_match_reference(label):
     config = tiny_config(
-        rope_scaling=ed.YarnScaling(factor=16.0, original_max_position_embeddings=64)
+        rope_scaling=ed.config.YarnScaling(factor=16.0, original_max_position_embeddings=64)
     )
     rotary = hf.DeepseekV4RotaryEmbedding(hf_config(config))
     expected = to_numpy(getattr(rotary, f"{label}_inv_freq"))
@@ -115,7 +115,7 @@ def test_linear_bf16_matches_float64(getkey, lead):
     # must be the row's product all the same, with float32 accumulation.
     w = jax.random.normal(getkey(), (384, 512)).astype(jnp.bfloat16)
     x = jax.random.normal(getkey(), (*lead, 512)).astype(jnp.bfloat16)
-    y = jax.jit(lambda x, w: linear(x, w, dtype=jnp.float32))(x, w)
+    y = jax.jit(lambda x, w: linear(x, w, None, dtype=jnp.float32))(x, w)
     assert y.shape == (*lead, 384) and y.dtype == jnp.float32
     expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     # float32 accumulation over 512 terms of size ~1, results up to ~80: a few float32 ulps.
@@ -124,11 +124,12 @@ def test_linear_bf16_matches_float64(getkey, lead):
 
 def test_one_row_bf16_linear_does_not_widen_the_weight():
     # XLA:CPU converts a bf16 weight whole to float32 for a one-row (matrix-vector) product,
-    # on every call: a decode step's head alone took 87 ms instead of 7.5 (benchmarks/NOTES.md,
-    # item 17). The compiled product must not hold a float32 copy of the weight.
+    # on every call: a decode step's head alone took 87 ms instead of 7.5
+    # (benchmarks/archive/NOTES.md, item 17). The compiled product must not hold a float32 copy of
+    # the weight.
     w = jax.ShapeDtypeStruct((4096, 512), jnp.bfloat16)
     x = jax.ShapeDtypeStruct((1, 1, 512), jnp.bfloat16)
-    step = jax.jit(lambda x, w: linear(x, w, dtype=jnp.float32)).lower(x, w).compile()
+    step = jax.jit(lambda x, w: linear(x, w, None, dtype=jnp.float32)).lower(x, w).compile()
     assert step.memory_analysis().temp_size_in_bytes < 4096 * 512 * 4 / 8
 
 
@@ -209,7 +210,7 @@ def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype, layered):
             target[r, c] = v
     index = (jnp.asarray(rows, jnp.int32), jnp.asarray(cols, jnp.int32))
     layer = jnp.asarray(1, jnp.int32) if layered else None
-    out = jax.jit(functools.partial(set_rows, layer=layer))(a, index, values)
+    out = jax.jit(functools.partial(set_rows, policy=None, layer=layer))(a, index, values)
     assert out.dtype == dtype
     np.testing.assert_array_equal(out.astype(jnp.float32), expected)
 
@@ -220,7 +221,7 @@ def test_set_rows_is_a_dropping_scatter(getkey, writes, dtype, layered):
     def loss(write):
         return lambda a, v: jnp.sum(write(a, v).astype(jnp.float32) * weights)
 
-    ours = jax.grad(loss(lambda a, v: set_rows(a, index, v, layer=layer)), argnums=(0, 1))(
+    ours = jax.grad(loss(lambda a, v: set_rows(a, index, v, None, layer=layer)), argnums=(0, 1))(
         a, values
     )
     scatter = jax.grad(loss(lambda a, v: a.at[full_index].set(v, mode="drop")), argnums=(0, 1))

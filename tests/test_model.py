@@ -32,9 +32,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4 import _forms, _stack
-from equinox_dsv4._model import _check_ids
-from equinox_dsv4._stack import LayerStack
+from equinox_dsv4.nn import LayerStack
 
 
 # Together: hc_mult 4 and 2; YaRN and plain compress rope; hash layers followed by learned ones;
@@ -70,7 +68,7 @@ CONFIGS = {
         n_routed_experts=6,
         num_experts_per_tok=3,
         swiglu_limit=1.0,
-        rope_scaling=ed.YarnScaling(factor=8.0, original_max_position_embeddings=16),
+        rope_scaling=ed.config.YarnScaling(factor=8.0, original_max_position_embeddings=16),
     ),
 }
 CASES = [
@@ -107,9 +105,9 @@ def test_logits_match_reference(models, name, batch, seq):
 
 
 def test_plans_of_the_test_configs():
-    plans = {name: ed.LayerPlan.from_config(cfg) for name, cfg in CONFIGS.items()}
+    plans = {name: ed.config.LayerPlan.from_config(cfg) for name, cfg in CONFIGS.items()}
     assert [s.repeats for s in plans["flash_like"].segments] == [1, 1, 1, 3]
-    assert plans["flash_like"].segments[-1].period == ((H, ed.MOE), (C, ed.MOE))
+    assert plans["flash_like"].segments[-1].period == ((H, ed.config.MOE), (C, ed.config.MOE))
     assert [s.repeats for s in plans["pro_like"].segments] == [2, 1, 2]
     assert [(s.start, s.repeats, len(s.period)) for s in plans["wide_heads"].segments] == [
         (0, 1, 1),
@@ -130,15 +128,16 @@ def test_scan_and_unrolled_give_identical_logits(models):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
-def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
+def test_unrolled_stack_gradient_equals_the_scanned_one():
     # Unrolled, each layer's slice of the stacked weights has a hand-written derivative (the
-    # static slice's, `_forms.take_layer`); the scan's is JAX's own.
-    taken = _count_layer_slices(monkeypatch)
+    # static slice's, `execution.take_layer`); the scan's is JAX's own.
     config = tiny_config(layer_types=(S, S, S), num_hash_layers=0, scan_min_repeats=2)
     scanned = random_fill(abstract(ed.DeepseekV4, config), 1)
     assert isinstance(scanned.layers[0], LayerStack) and scanned.layers[0].repeats == 3
     skeleton = abstract(ed.DeepseekV4, dataclasses.replace(config, scan_layers=False))
     unrolled = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(scanned))
+    # The drivers: `lax.scan` over the repeats, and the Python loop over the same weights.
+    assert scanned.layers[0].scan and not unrolled.layers[0].scan
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (1, 12)), jnp.int32)
 
     @eqx.filter_jit
@@ -147,9 +146,7 @@ def test_unrolled_stack_gradient_equals_the_scanned_one(monkeypatch):
         return jnp.sum(jnp.sin(model(ids)))
 
     a = grad(scanned).layers[0]
-    assert taken == set()
     b = grad(unrolled).layers[0]
-    assert taken == {0, 1, 2}  # the unrolled path ran
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-6 * float(jnp.max(jnp.abs(x))), rtol=1e-5)
     # Every layer of the stack has its own gradient, in its own place.
@@ -163,7 +160,7 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
     for r in range(3):
 
         def ours(a, r=r):
-            return jnp.sin(_forms.take_layer(a, _forms.index_after(r, after), r))
+            return jnp.sin(ed.execution.take_layer(a, ed.execution.index_after(r, after), r))
 
         def static(a, r=r):
             return jnp.sin(a[r])
@@ -175,19 +172,6 @@ def test_unrolled_layer_slice_derivatives_are_a_static_slices():
         np.testing.assert_array_equal(
             jax.jvp(ours, (stack,), (tangent,))[1], jax.jvp(static, (stack,), (tangent,))[1]
         )
-
-
-def _count_layer_slices(monkeypatch) -> set[int]:
-    # The layers an unrolled stack takes out of its stacked weights, as they are traced (an
-    # instrument: the path itself is chosen by the config).
-    taken, take = set(), _stack.take_layer
-
-    def counted(a, i, r):
-        taken.add(r)
-        return take(a, i, r)
-
-    monkeypatch.setattr(_stack, "take_layer", counted)
-    return taken
 
 
 def test_layer_weights_do_not_depend_on_the_plan():
@@ -223,12 +207,12 @@ def flash_shaped_tiny():
 
 def test_flash_plan_is_three_unrolled_then_one_scan_of_twenty():
     for config in (ed.Config.v4_flash(), flash_shaped_tiny()):
-        plan = ed.LayerPlan.from_config(config)
+        plan = ed.config.LayerPlan.from_config(config)
         assert [(s.start, s.repeats, s.period) for s in plan.segments] == [
-            (0, 1, ((S, ed.HASH_MOE),)),
-            (1, 1, ((S, ed.HASH_MOE),)),
-            (2, 1, ((C, ed.HASH_MOE),)),
-            (3, 20, ((H, ed.MOE), (C, ed.MOE))),
+            (0, 1, ((S, ed.config.HASH_MOE),)),
+            (1, 1, ((S, ed.config.HASH_MOE),)),
+            (2, 1, ((C, ed.config.HASH_MOE),)),
+            (3, 20, ((H, ed.config.MOE), (C, ed.config.MOE))),
         ]
     # In the program: one scan of length 20 over the layers (the other scans are the expert
     # dispatch loops inside the three unrolled layers), and none when scan_layers is off.
@@ -239,12 +223,12 @@ def test_flash_plan_is_three_unrolled_then_one_scan_of_twenty():
 
 
 def test_pro_plan():
-    plan = ed.LayerPlan.from_config(ed.Config.v4_pro())
+    plan = ed.config.LayerPlan.from_config(ed.Config.v4_pro())
     assert [(s.start, s.repeats, s.period) for s in plan.segments] == [
-        (0, 1, ((H, ed.HASH_MOE),)),
-        (1, 1, ((H, ed.HASH_MOE),)),
-        (2, 1, ((C, ed.HASH_MOE),)),
-        (3, 29, ((H, ed.MOE), (C, ed.MOE))),
+        (0, 1, ((H, ed.config.HASH_MOE),)),
+        (1, 1, ((H, ed.config.HASH_MOE),)),
+        (2, 1, ((C, ed.config.HASH_MOE),)),
+        (3, 29, ((H, ed.config.MOE), (C, ed.config.MOE))),
     ]
 
 
@@ -278,7 +262,7 @@ def test_mtp_matches_reference_composition(getkey):
     config = tiny_config()
     mtp_cfg = hf_config(
         dataclasses.replace(
-            config, num_hidden_layers=1, layer_types=(S,), mlp_layer_types=(ed.MOE,)
+            config, num_hidden_layers=1, layer_types=(S,), mlp_layer_types=(ed.config.MOE,)
         )
     )
     d = config.hidden_size
@@ -386,10 +370,6 @@ def test_bad_inputs_are_rejected():
     for bad in (jnp.zeros((3,), jnp.int32), jnp.zeros((1, 3), jnp.float32)):
         with pytest.raises((ValueError, TypeError)):
             model(bad)
-    with pytest.raises(ValueError, match="integer array"):
-        _check_ids(jnp.zeros((1, 3), jnp.float32))
-    with pytest.raises(ValueError, match="integer array"):
-        _check_ids(jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="empty"):
         model(jnp.zeros((1, 0), jnp.int32))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
@@ -409,8 +389,8 @@ def test_bfloat16_logits_close_to_float32():
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 97, (2, 37)), jnp.int32)
     b = np.asarray(eqx.filter_jit(ours)(ids))
     # This machine's policy and the generic one (GPUs, TPUs: no XLA:CPU forms).
-    for policy in (None, ed.Policy()):
-        a = np.asarray(bf16(ids, policy=policy))
+    for policy in (None, ed.execution.Policy()):
+        a = np.asarray(ed.execution.with_policy(bf16, policy)(ids))
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 5e-2, policy
 
 
@@ -440,7 +420,7 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan():
     assert model.layers[1].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
 
-    cpu = ed.Policy.for_platform("cpu")
+    cpu = ed.execution.Policy.for_platform("cpu")
     assert cpu.carry_stacks
     carried = _chunk_then_steps(model, ids, cpu)
     swept = _chunk_then_steps(model, ids, dataclasses.replace(cpu, carry_stacks=False))
@@ -450,11 +430,12 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan():
 def _chunk_then_steps(model, ids, policy):
     # Logits of ids[:, :28] from the empty cache, then of tokens 28 and 29 one by one: two
     # programs per policy (the chunk's, the step's), each step as it runs in a decode loop.
+    model = ed.execution.with_policy(model, policy)
     cache = model.init_cache(ids.shape[0], 32)
-    logits, cache = model.decode(ids[:, :28], cache, policy=policy)
+    logits, cache = model.decode(ids[:, :28], cache)
     steps = [logits]
     for t in (28, 29):
-        logits, cache = model.decode(ids[:, t : t + 1], cache, policy=policy)
+        logits, cache = model.decode(ids[:, t : t + 1], cache)
         steps.append(logits)
     return jnp.concatenate(steps, axis=1)
 
@@ -478,12 +459,15 @@ def test_every_policy_computes_the_same_model():
     model = random_fill(abstract(ed.DeepseekV4, config), 5)
     assert [layer.repeats for layer in model.layers] == [1, 2]
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 30)), jnp.int32)
-    cpu, generic = ed.Policy.for_platform("cpu"), ed.Policy()
+    cpu, generic = ed.execution.Policy.for_platform("cpu"), ed.execution.Policy()
     assert cpu.late_slices and not any(
         getattr(generic, f.name) is True for f in dataclasses.fields(generic)
     )
     tol = dict(atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(model(ids, policy=cpu), model(ids, policy=generic), **tol)
+    with_policy = ed.execution.with_policy
+    np.testing.assert_allclose(
+        with_policy(model, cpu)(ids), with_policy(model, generic)(ids), **tol
+    )
     np.testing.assert_allclose(
         _chunk_then_steps(model, ids, cpu), _chunk_then_steps(model, ids, generic), **tol
     )
@@ -493,7 +477,7 @@ def test_bf16_decode_step_does_not_widen_the_layer_stack():
     # XLA:CPU computes bf16 in float32 and hoists the conversion of a loop-invariant operand
     # out of the loop: scanning over bf16 stacks converted all of them (and the CSA caches) to
     # float32 on every token (the small config's 43-layer step: 2.3 GiB of temporaries,
-    # benchmarks/NOTES.md, item 17). The step's temporaries must stay well below that.
+    # benchmarks/archive/NOTES.md, item 17). The step's temporaries must stay well below that.
     config = dataclasses.replace(flash_shaped_tiny(), moe_intermediate_size=64)
     model = abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16)
     stack = model.layers[3]
@@ -507,11 +491,11 @@ def test_prefill_temporaries_do_not_grow_with_unrolled_layers():
     # began as zeros (the attention's query steps, the expert loop, the dispatch's scatter) had
     # every layer's carry alive for the whole call: the small config's 2048-token prefill held
     # 381 MiB of temporaries, which malloc maps and faults in afresh on every call
-    # (benchmarks/NOTES.md, item 20). Here that was ~230 KB per layer, a third of the 2-layer
-    # prefill's; a layer now adds about 20 KB.
+    # (benchmarks/archive/NOTES.md, item 20). Here that was ~230 KB per layer, a third of the
+    # 2-layer prefill's; a layer now adds about 20 KB.
     def temporaries(layers):
         config = tiny_config(
-            layer_types=(ed.SLIDING,) * layers, num_hash_layers=0, scan_min_repeats=100
+            layer_types=(ed.config.SLIDING,) * layers, num_hash_layers=0, scan_min_repeats=100
         )
         model = abstract(ed.DeepseekV4, config)
         ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)  # 8 attention steps, an expert loop
@@ -526,41 +510,32 @@ def test_prefill_temporaries_do_not_grow_with_unrolled_layers():
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
-def test_unrolled_stack_takes_each_layer_when_it_runs(kind, monkeypatch):
+def test_unrolled_stack_takes_each_layer_when_it_runs(kind):
     # With `scan_layers=False` a stack's layers are slices of its stacked weights, which XLA
     # copies; taken as static slices, XLA:CPU's scheduler copied every layer's at the start of
     # the program, so the temporaries held the stack's weights once more (the small config's
-    # 43-layer prefill: 2.3 GiB; benchmarks/NOTES.md, item 21). Here, 6 layers against 2:
+    # 43-layer prefill: 2.3 GiB; benchmarks/archive/NOTES.md, item 21). Here, 6 layers against 2:
     # 1.6x (prefill) and 3.0x (decode) the temporaries that way; now 1.09x and 1.01x.
     def temporaries(layers):
         config = tiny_config(
-            layer_types=(ed.SLIDING,) * layers,
+            layer_types=(ed.config.SLIDING,) * layers,
             num_hash_layers=0,
             scan_min_repeats=2,
             scan_layers=False,
         )
         model = abstract(ed.DeepseekV4, config)
-        assert isinstance(model.layers[0], LayerStack) and model.layers[0].repeats == layers
+        stack = model.layers[0]
+        # The Python loop over the stacked weights (the unrolled path).
+        assert isinstance(stack, LayerStack) and stack.repeats == layers and not stack.scan
         ids = jax.ShapeDtypeStruct((1, 256 if kind == "prefill" else 1), jnp.int32)
 
         def run(model, ids):
             return model.decode(ids, model.init_cache(1, 256))[0]
 
-        taken.clear()
         compiled = jax.jit(run).lower(model, ids).compile()
-        assert taken == set(range(layers))  # the unrolled path ran
         return compiled.memory_analysis().temp_size_in_bytes
 
-    taken = _count_layer_slices(monkeypatch)
     assert temporaries(6) < 1.3 * temporaries(2)
-
-
-def test_public_surface():
-    assert len(set(ed.__all__)) == len(ed.__all__)
-    assert all(hasattr(ed, name) for name in ed.__all__)
-    for internal in ("LayerStack", "Segment", "attend", "CompressorState", "LayerCache", "Gate"):
-        assert not hasattr(ed, internal), internal
-    assert all(issubclass(getattr(ed.nn, name), eqx.Module) for name in ed.nn.__all__)
 
 
 def test_profiles_read_by_component():
@@ -592,11 +567,11 @@ def test_useful_flops_against_the_parameters_they_multiply():
         for path, leaf in jax.tree_util.tree_leaves_with_path(model)
         if re.search(r"norm|\.ape$|\.base$|\.scale$|sink|\.bias$", jax.tree_util.keystr(path))
     )
-    expected = 2 * (ed.active_parameters(config) - vectors) + attention
-    assert ed.forward_flops(config, 1) == expected
+    expected = 2 * (ed.train.active_parameters(config) - vectors) + attention
+    assert ed.train.forward_flops(config, 1) == expected
     # Every position's logits: the head once more per further position.
     t = 64
     head = 2 * config.hidden_size * (config.vocab_size + config.hc_mult**2)
-    all_logits = ed.forward_flops(config, t, logits="all")
-    assert all_logits - ed.forward_flops(config, t) == head * (t - 1)
-    assert ed.train_flops(config, t) == 3 * all_logits
+    all_logits = ed.train.forward_flops(config, t, logits="all")
+    assert all_logits - ed.train.forward_flops(config, t) == head * (t - 1)
+    assert ed.train.train_flops(config, t) == 3 * all_logits

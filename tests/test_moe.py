@@ -23,7 +23,7 @@ from hf_reference import (
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
-from equinox_dsv4._moe import Gate
+from equinox_dsv4.nn import Gate
 
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -114,8 +114,8 @@ def test_expert_dispatch_matches_dense(getkey, tokens, experts, top_k):
     expected = _dense_reference(layer, x, indices, weights, 0.7)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)  # float32 vs float64 sums
     # Inside a layer stack, decoding (no more assignments than experts) gathers the experts.
-    gather = ed.Policy(gather_experts=True)
-    out = eqx.filter_jit(layer)(x, indices, weights, policy=gather)
+    gather = ed.execution.with_policy(layer, ed.execution.Policy(gather_experts=True))
+    out = eqx.filter_jit(gather)(x, indices, weights)
     np.testing.assert_allclose(out, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -127,8 +127,9 @@ def test_decode_dispatch_drops_out_of_range_experts(getkey, gather):
     x = jax.random.normal(getkey(), (2, config.hidden_size))
     indices = jnp.array([[8, 2, 5], [7, 8, 8]], jnp.int32)
     weights = jax.random.uniform(getkey(), (2, 3))
-    out = jax.jit(ed._dispatch.dispatch, static_argnums=(6, 7))(
-        x, indices, weights, layer.w1, layer.w2, layer.w3, 0.7, gather
+    policy = ed.execution.Policy(gather_experts=gather)
+    out = jax.jit(ed.execution.dispatch, static_argnums=(6, 7, 8))(
+        x, indices, weights, layer.w1, layer.w2, layer.w3, 0.7, "exact", policy
     )
     kept = indices < 8
     expected = _dense_reference(
@@ -164,12 +165,12 @@ def test_expert_loop_gradient_matches_dense(getkey):
     def dense(x, weights, w1, w2, w3):  # every expert on every token, masked
         g = jnp.einsum("td,eid->tei", x, w1)
         u = jnp.einsum("td,eid->tei", x, w3)
-        y = jnp.einsum("tei,edi->ted", ed._dispatch.swiglu(g, u, limit), w2)
+        y = jnp.einsum("tei,edi->ted", ed.execution.swiglu(g, u, limit), w2)
         chosen = jax.nn.one_hot(indices, experts)
         return jnp.einsum("tke,tk,ted->td", chosen, weights, y)
 
     def ours(x, weights, w1, w2, w3):
-        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, limit)
+        return ed.execution.dispatch(x, indices, weights, w1, w2, w3, limit, "exact", None)
 
     def loss(f):
         return lambda *a: jnp.sum(jnp.sin(f(*a)))
@@ -193,7 +194,8 @@ def test_decode_dispatch_memory_does_not_grow_with_its_blocks():
 
     def temporaries(gather):
         def f(x, indices, weights, w1, w2, w3):
-            return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0, gather)
+            policy = ed.execution.Policy(gather_experts=gather)
+            return ed.execution.dispatch(x, indices, weights, w1, w2, w3, 0.0, "exact", policy)
 
         shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
         shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
@@ -210,13 +212,13 @@ def test_scanned_decode_step_does_not_copy_every_expert():
     # In a scanned layer stack a decode step must read the chosen experts only. A loop over
     # the assignments took the layer's slice of the stacked experts as its operand, and XLA
     # copied the slice, every expert of every scanned layer, on every token (the small
-    # config's 43-layer decode step: 285 -> 103 ms, benchmarks/NOTES.md, Round 5). So the
+    # config's 43-layer decode step: 285 -> 103 ms, benchmarks/archive/NOTES.md, Round 5). So the
     # step's temporaries must not grow with the number of experts.
     def temporaries(experts):
         config = tiny_config(
             n_routed_experts=experts, moe_intermediate_size=64, num_nextn_predict_layers=0
         )
-        assert any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
+        assert any(s.scanned for s in ed.config.LayerPlan.from_config(config).segments)
         return decode_temporaries(abstract(ed.DeepseekV4, config))
 
     layer_slice = 3 * 56 * 64 * 32 * 4  # the 56 experts added, one layer's slice, float32
@@ -226,7 +228,7 @@ def test_scanned_decode_step_does_not_copy_every_expert():
 def test_bf16_decode_step_does_not_widen_the_experts():
     # With bf16 weights, the loop over the assignments (the unrolled layers' decode dispatch)
     # had XLA:CPU convert each layer's whole expert stack to float32 in front of the loop, on
-    # every token, until the loop carried the stacks (benchmarks/NOTES.md, item 17). So the
+    # every token, until the loop carried the stacks (benchmarks/archive/NOTES.md, item 17). So the
     # step's temporaries must not grow with the number of experts.
     def temporaries(experts):
         config = tiny_config(
@@ -235,7 +237,7 @@ def test_bf16_decode_step_does_not_widen_the_experts():
             num_nextn_predict_layers=0,
             num_hidden_layers=4,
         )
-        assert not any(s.scanned for s in ed.LayerPlan.from_config(config).segments)
+        assert not any(s.scanned for s in ed.config.LayerPlan.from_config(config).segments)
         return decode_temporaries(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16))
 
     # The 56 experts added, float32, in one of the four layers.
@@ -246,7 +248,7 @@ def test_bf16_decode_step_does_not_widen_the_experts():
 def _bf16_dispatch(experts, inter, dim, tokens, top_k, policy=None):
     # `dispatch` on bf16 tokens and experts, and its arguments' shapes.
     def f(x, indices, weights, w1, w2, w3):
-        return ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0, policy=policy)
+        return ed.execution.dispatch(x, indices, weights, w1, w2, w3, 0.0, "exact", policy)
 
     shapes = [(tokens, dim), (tokens, top_k), (tokens, top_k)]
     shapes += [(experts, inter, dim), (experts, dim, inter), (experts, inter, dim)]
@@ -258,7 +260,7 @@ def test_bf16_prefill_dispatch_does_not_widen_the_experts():
     # 256 assignments for 16 experts: the expert loop. With the stacks as the loop's scanned
     # operand, XLA:CPU converted each bf16 stack to float32 whole in front of it, every
     # layer's at the start of the program (the small config's bf16 prefill: 384 MiB of its
-    # 762 MiB of temporaries; benchmarks/NOTES.md, item 20). The loop carries them now.
+    # 762 MiB of temporaries; benchmarks/archive/NOTES.md, item 20). The loop carries them now.
     experts, inter, dim, tokens, top_k = 16, 128, 128, 64, 4
     widened = 3 * experts * inter * dim * 4
 
@@ -283,12 +285,12 @@ def _avals(jaxpr):
 @pytest.mark.parametrize("platform", ["tpu", "cpu"])
 def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16(platform):
     # Each assignment's output row (the expert loop's output) and their read-back per token are
-    # a prefill MoE's largest buffers (V4-Flash on a TPU: benchmarks/NOTES.md): in the
+    # a prefill MoE's largest buffers (V4-Flash on a TPU: benchmarks/archive/NOTES.md): in the
     # activation dtype, summed over top-k in float32. XLA:CPU converted a bf16 buffer whole
     # around each block's update of it, so under its policy the loop holds float32 (the
     # values still rounded to bf16: `test_bf16_dispatch_is_the_same_under_both_policies`).
     experts, inter, dim, tokens, top_k = 16, 32, 64, 64, 4
-    policy = ed.Policy.for_platform(platform)
+    policy = ed.execution.Policy.for_platform(platform)
     held = jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
 
     f, args = _bf16_dispatch(experts, inter, dim, tokens, top_k, policy)
@@ -321,11 +323,67 @@ def test_bf16_dispatch_is_the_same_under_both_policies():
     weights = jax.random.uniform(keys[2], (tokens, top_k))
 
     def loss(x, weights, w1, w2, w3, policy):
-        y = ed._dispatch.dispatch(x, indices, weights, w1, w2, w3, 0.0, policy=policy)
+        y = ed.execution.dispatch(x, indices, weights, w1, w2, w3, 0.0, "exact", policy)
         return jnp.sum(jnp.sin(y)), y
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True), static_argnums=5)
-    outs = [grad(x, weights, w1, w2, w3, ed.Policy.for_platform(p)) for p in ("tpu", "cpu")]
+    policies = [ed.execution.Policy.for_platform(p) for p in ("tpu", "cpu")]
+    outs = [grad(x, weights, w1, w2, w3, policy) for policy in policies]
     for a, b in zip(*(jax.tree.leaves(o) for o in outs), strict=True):
         assert a.dtype == b.dtype and np.isfinite(np.asarray(a, np.float32)).all()
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_experts_equal_the_expert_loop(dtype):
+    # `Policy.experts="ragged"`: the same sorted assignments through `jax.lax.ragged_dot`
+    # instead of the loop over experts, each assignment's output rounded to the activation
+    # dtype as the loop's is: outputs and every gradient against the loop's. 512 assignments
+    # for 16 experts, one expert with none; out-of-range assignments dropped.
+    experts, inter, dim, tokens, top_k = 16, 32, 64, 128, 4
+    keys = jax.random.split(jax.random.key(4), 6)
+    x = jax.random.normal(keys[0], (tokens, dim)).astype(dtype)
+    w1, w3 = (jax.random.normal(k, (experts, inter, dim)).astype(dtype) / 8 for k in keys[1:3])
+    w2 = jax.random.normal(keys[3], (experts, dim, inter)).astype(dtype) / 6
+    indices = jax.random.randint(keys[4], (tokens, top_k), 0, experts + 1)  # 16: dropped
+    indices = jnp.where(indices == 5, 6, indices)  # expert 5: no assignment
+    weights = jax.random.uniform(keys[5], (tokens, top_k))
+
+    def loss(x, weights, w1, w2, w3, policy):
+        y = ed.execution.dispatch(x, indices, weights, w1, w2, w3, 0.7, "exact", policy)
+        return jnp.sum(jnp.sin(y)), y
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True), static_argnums=5)
+    loop = ed.execution.Policy(experts="loop")
+    ragged = ed.execution.Policy(experts="ragged")
+    # bf16: the two kernels round their bf16 products' float32 sums in other orders.
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    got, want = (grad(x, weights, w1, w2, w3, p) for p in (ragged, loop))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=tol * max(1.0, float(np.abs(b).max())), rtol=tol)
+    assert not np.any(np.asarray(got[0][2][5], np.float32)), "expert 5 gets no gradient"
+    # The ragged form is what runs: no loop over the experts in its program.
+    jaxpr = str(jax.make_jaxpr(lambda *a: loss(*a, ragged))(x, weights, w1, w2, w3))
+    assert "ragged_dot" in jaxpr and "scan" not in jaxpr
+
+
+def test_ragged_policy_keeps_the_loop_for_quantised_experts():
+    # A quantised stack is dequantised one expert at a time by the loop; `ragged_dot` would
+    # need the whole layer's dense stack. Both policies then give the same bits.
+    experts, inter, dim, tokens, top_k = 8, 32, 64, 32, 2
+    keys = jax.random.split(jax.random.key(5), 4)
+    w1, w3 = (
+        ed.quant.quantize(jax.random.normal(k, (experts, inter, dim)), "e2m1") for k in keys[:2]
+    )
+    w2 = ed.quant.quantize(jax.random.normal(keys[2], (experts, dim, inter)), "e2m1")
+    x = jax.random.normal(keys[3], (tokens, dim))
+    indices = jnp.tile(jnp.arange(top_k, dtype=jnp.int32)[None], (tokens, 1))
+    weights = jnp.full((tokens, top_k), 0.5)
+
+    def run(policy):
+        f = eqx.filter_jit(ed.execution.dispatch)
+        return f(x, indices, weights, w1, w2, w3, 0.0, "exact", policy)
+
+    loop, ragged = run(ed.execution.Policy()), run(ed.execution.Policy(experts="ragged"))
+    np.testing.assert_array_equal(np.asarray(loop), np.asarray(ragged))

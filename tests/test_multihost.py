@@ -132,7 +132,7 @@ def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
     ):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
     # The train state written by two processes, restored in one.
-    restored, position = ed.restore_train_state(
+    restored, position = ed.train.restore_train_state(
         root / "out" / "state", ed.init_train_state(single, opt)
     )
     assert position == 7 and int(restored.step) == 1

@@ -11,7 +11,7 @@ from hf_reference import reference_model, tiny_config
 
 import convert
 import equinox_dsv4 as ed
-from equinox_dsv4._checkpoint import CheckpointError, canonical_to_path
+from equinox_dsv4.ckpt import CheckpointError, canonical_to_path
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from release_numerics import (
 )
 
 import equinox_dsv4 as ed
-from equinox_dsv4._moe import Gate
-from equinox_dsv4._numerics import fp4_round_trip, fp8_round_trip, hadamard
+from equinox_dsv4.nn import Gate
+from equinox_dsv4.quant import fp4_round_trip, fp8_round_trip, hadamard
 
 
 # Whole quantisation blocks everywhere, as in the release: hidden, q_lora and o_groups x

@@ -25,8 +25,8 @@ from release_layout import (
 
 import convert
 import equinox_dsv4 as ed
-from convert._reader import list_tensors
-from equinox_dsv4._quant import quantize
+from convert.reader import list_tensors
+from equinox_dsv4.quant import quantize
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -43,7 +43,7 @@ IDS = jnp.asarray(np.random.default_rng(3).integers(0, CONFIG.vocab_size, (2, 40
 
 
 def is_quantized(x):
-    return isinstance(x, ed.QuantizedWeight)
+    return isinstance(x, ed.quant.QuantizedWeight)
 
 
 @eqx.filter_jit
@@ -74,7 +74,7 @@ def models(release):
 def test_fp8_dequantises_like_the_reference(shape, block):
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     q, scale = quantize_fp8(w, block)
-    ours = ed.QuantizedWeight(
+    ours = ed.quant.QuantizedWeight(
         jnp.asarray(q), jnp.asarray(scale.view(np.uint8)), "e4m3", (block, block), jnp.float32
     )
     expected = dequantize_fp8(q, scale, block)
@@ -83,7 +83,7 @@ def test_fp8_dequantises_like_the_reference(shape, block):
         np.asarray(ours.dequantize(jnp.bfloat16)), expected.astype(ml_dtypes.bfloat16)
     )
     # transformers' float `weight_scale_inv` multipliers dequantise the same.
-    floats = ed.QuantizedWeight(
+    floats = ed.quant.QuantizedWeight(
         ours.values, jnp.asarray(scale.astype(np.float32)), "e4m3", (block, block), jnp.float32
     )
     np.testing.assert_array_equal(np.asarray(floats.dequantize()), expected)
@@ -93,7 +93,7 @@ def test_fp4_dequantises_like_the_reference():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((3, 10, 96)).astype(np.float32)
     packed, scales = zip(*(quantize_fp4(x) for x in w), strict=True)
-    ours = ed.QuantizedWeight(
+    ours = ed.quant.QuantizedWeight(
         jnp.asarray(np.stack(packed).view(np.uint8)),
         jnp.asarray(np.stack(scales).view(np.uint8)),
         "e2m1",
@@ -107,7 +107,7 @@ def test_fp4_dequantises_like_the_reference():
         )
     # Every nibble, both positions in the byte; scale byte 200 is 2^73.
     every = np.array([[(15 - n) << 4 | n for n in range(16)]], np.uint8)
-    one = ed.QuantizedWeight(
+    one = ed.quant.QuantizedWeight(
         jnp.asarray(every), jnp.asarray([[200]], jnp.uint8), "e2m1", (1, 32), jnp.float32
     )
     lut = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]) * 2.0**73
@@ -171,9 +171,9 @@ def test_resident_bytes_are_the_release_bytes(release, models):
     held = [x for x in jax.tree.leaves(quantized, is_leaf=is_quantized) if is_quantized(x)]
     resident = sum(a.addressable_shards[0].data.nbytes for w in held for a in (w.values, w.scale))
     assert abs(resident / stored - 1) <= 0.05, (resident, stored)
-    bytes_ = ed.weight_bytes(quantized)
+    bytes_ = ed.quant.weight_bytes(quantized)
     assert bytes_["quantized"] == resident
-    assert ed.weight_bytes(dequantised)["total"] > bytes_["total"]
+    assert ed.quant.weight_bytes(dequantised)["total"] > bytes_["total"]
 
 
 def test_decode_of_the_quantized_model_equals_its_forward(models):
@@ -227,7 +227,9 @@ def test_sharded_quantized_load_splits_whole_blocks(release, models):
     assert all(w.values.sharding.spec == w.scale.sharding.spec for w in held)
     wo_b = sharded.layers[0].blocks[0].attn.wo_b.weight  # [layers, d_model, groups x rank]
     assert wo_b.shape == (1, 64, 16)
-    dense_spec = ed.ShardingRules().spec((None, "embed", "groups_x_rank"), wo_b.shape, mesh)
+    dense_spec = ed.parallel.ShardingRules().spec(
+        (None, "embed", "groups_x_rank"), wo_b.shape, mesh
+    )
     assert dense_spec[2] == "tensor"  # a dense weight splits its 16 inputs two ways...
     assert wo_b.values.sharding.spec[2] is None  # ...which would cut its 32-wide blocks
     # FP4 experts split in multiples of 32 along both dims, so that w1, w2 and w3 (blocks
@@ -245,7 +247,7 @@ def test_sharded_quantized_load_splits_whole_blocks(release, models):
 
 def test_fine_tuning_keeps_the_quantized_weights_frozen(getkey):
     config = tiny_config(layer_types=(S, C), num_nextn_predict_layers=0, num_hash_layers=1)
-    model = ed.quantize_model(ed.DeepseekV4(config, key=getkey()), block=(32, 32))
+    model = ed.quant.quantize_model(ed.DeepseekV4(config, key=getkey()), block=(32, 32))
     opt = ed.make_optimizer(learning_rate=1e-2)
     state = ed.init_train_state(model, opt)
     ids = jax.random.randint(getkey(), (2, 17), 0, config.vocab_size)
@@ -275,12 +277,14 @@ def test_fp8_routed_experts_when_the_config_says_so(getkey):
     config = tiny_config(
         layer_types=(S, C), num_nextn_predict_layers=0, num_hash_layers=1, expert_dtype="fp8"
     )
-    abstract = ed.abstract_quantized(eqx.filter_eval_shape(ed.DeepseekV4, config, key=getkey()))
+    abstract = ed.quant.abstract_quantized(
+        eqx.filter_eval_shape(ed.DeepseekV4, config, key=getkey())
+    )
     w1 = abstract.layers[1].blocks[0].ffn.experts.w1
     assert w1.fmt == "e4m3" and w1.values.dtype == jnp.float8_e4m3fn and w1.block == (128, 128)
-    model = ed.quantize_model(ed.DeepseekV4(config, key=getkey()))
+    model = ed.quant.quantize_model(ed.DeepseekV4(config, key=getkey()))
     assert jax.tree.structure(model) == jax.tree.structure(abstract)
     ids = IDS[:, :12] % config.vocab_size
     np.testing.assert_allclose(
-        forward(model, ids), forward(ed.dequantize_model(model), ids), atol=1e-5, rtol=1e-5
+        forward(model, ids), forward(ed.quant.dequantize_model(model), ids), atol=1e-5, rtol=1e-5
     )

@@ -18,7 +18,7 @@ from hf_reference import C, H, abstract, random_fill, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import equinox_dsv4 as ed
-from equinox_dsv4._quant import quantize
+from equinox_dsv4.quant import quantize
 
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -65,7 +65,7 @@ def test_sharded_model_equals_single_device(single, name):
     model, ids, logits, prefill, steps = single
     mesh = ed.make_mesh(**MESHES[name])
     sharded = ed.shard(model, mesh)
-    specs = ed.partition_specs(model, mesh)
+    specs = ed.parallel.partition_specs(model, mesh)
     for leaf, spec in zip(
         jax.tree.leaves(sharded),
         jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
@@ -74,7 +74,7 @@ def test_sharded_model_equals_single_device(single, name):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == spec
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(eqx.filter_jit(sharded)(ids), logits, atol=1e-5, rtol=1e-5)
-        cache = ed.shard_cache(sharded.init_cache(8, 32), mesh)
+        cache = ed.parallel.shard_cache(sharded.init_cache(8, 32), mesh)
         out, cache = _decode(sharded, ids[:, :20], cache)
         np.testing.assert_allclose(out, prefill, atol=1e-5, rtol=1e-5)
         for t, expected in zip(range(20, 24), steps, strict=True):
@@ -85,7 +85,7 @@ def test_sharded_model_equals_single_device(single, name):
 def test_specs_follow_the_rules():
     model = abstract(ed.DeepseekV4, CONFIG)
     mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
-    specs = ed.partition_specs(model, mesh)
+    specs = ed.parallel.partition_specs(model, mesh)
     (stack_specs,) = specs.layers
     stack = stack_specs.blocks[0]
     # `w1`'s hidden units over tensor and fsdp, its `d_model` whole (see `expert_up`).
@@ -101,10 +101,12 @@ def test_specs_follow_the_rules():
 def test_rules_with_several_mesh_axes():
     # Dense weights over fsdp and expert; an expert stack's `experts` dim keeps `expert`, so
     # `w2`'s `embed` dim gets fsdp only; a later dim gets what an earlier one left.
-    rules = ed.ShardingRules().replace(embed=("fsdp", "expert"), groups_x_rank=("tensor", "expert"))
+    rules = ed.parallel.ShardingRules().replace(
+        embed=("fsdp", "expert"), groups_x_rank=("tensor", "expert")
+    )
     model = abstract(ed.DeepseekV4, CONFIG)
     mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
-    (stack,) = ed.partition_specs(model, mesh, rules).layers
+    (stack,) = ed.parallel.partition_specs(model, mesh, rules).layers
     block = stack.blocks[0]
     assert block.ffn.experts.w2 == P(None, "expert", "fsdp", "tensor")
     assert block.attn.wq_a.weight == P(None, None, ("fsdp", "expert"))
@@ -123,7 +125,7 @@ def test_rules_with_several_mesh_axes():
 
 
 def test_rules_refuse_one_mesh_axis_twice():
-    rules = ed.ShardingRules().replace(q_lora="fsdp")
+    rules = ed.parallel.ShardingRules().replace(q_lora="fsdp")
     mesh = ed.make_mesh(fsdp=8)
     with pytest.raises(ValueError, match="same mesh axis"):
         rules.spec(("q_lora", "embed"), (16, 32), mesh)
@@ -254,14 +256,14 @@ def _gathered_expert_stacks(hlo: str, local: tuple[int, ...]) -> int:
 
 def test_decode_moves_tokens_not_expert_weights(single):
     # With d_model split over fsdp, a decode step's few tokens go to the expert weights
-    # (`STATIONARY_ROWS`); a prefill's many tokens gather each layer's experts, as before.
+    # (`Policy.stationary_rows`); a prefill's many tokens gather each layer's experts, as before.
     model, ids, _, prefill, steps = single
     mesh = ed.make_mesh(fsdp=4, expert=2)
     sharded = ed.shard(model, mesh)
     e, f, d = CONFIG.n_routed_experts // 2, CONFIG.moe_intermediate_size, CONFIG.hidden_size
     local = {(e, f, d), (e, d, f)}
     with jax.set_mesh(mesh):
-        cache = ed.shard_cache(sharded.init_cache(8, 32), mesh)
+        cache = ed.parallel.shard_cache(sharded.init_cache(8, 32), mesh)
         many = _decode.lower(sharded, ids[:, :20], cache).compile().compiled.as_text()
         out, cache = _decode(sharded, ids[:, :20], cache)
         np.testing.assert_allclose(out, prefill, atol=1e-5, rtol=1e-5)
@@ -289,11 +291,11 @@ def test_vocabulary_split_equals_single_device():
     expected = run(model)
     mesh = ed.make_mesh(fsdp=2, expert=4)
     both = ("fsdp", "expert")
-    rules = ed.ShardingRules().replace(embed=both, vocab=both)
+    rules = ed.parallel.ShardingRules().replace(embed=both, vocab=both)
     sharded = ed.shard(model, mesh, rules)
     assert sharded.embed.weight.sharding.spec == P(both, None)
     assert sharded.head.weight.sharding.spec == P(both, None)
     with jax.set_mesh(mesh):
-        got = run(sharded, lambda c: ed.shard_cache(c, mesh))
+        got = run(sharded, lambda c: ed.parallel.shard_cache(c, mesh))
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

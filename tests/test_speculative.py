@@ -19,7 +19,6 @@ from hf_reference import abstract, random_fill
 from test_decode import CONFIGS as DECODE_CONFIGS
 
 import equinox_dsv4 as ed
-from equinox_dsv4 import _speculative
 
 
 # The two tiny configs of test_decode.py, with MTP blocks: one (flash_like) and two chained
@@ -36,6 +35,43 @@ def models():
         name: random_fill(abstract(ed.DeepseekV4, config), seed=i)
         for i, (name, config) in enumerate(CONFIGS.items())
     }
+
+
+class _Log:
+    # A list a drafter appends to, hashed by identity (a drafter is a static argument).
+    def __init__(self):
+        self.items = []
+
+
+class _Watched(ed.inference.AbstractDrafter):
+    # The MTP drafter, watched: `traced` counts the programs its drafting is traced into,
+    # `records` gets (tokens verified, drafts, their distributions) at every drafting, from
+    # inside the compiled steps.
+    traced: _Log = eqx.field(static=True)
+    records: _Log = eqx.field(static=True)
+
+    def depth(self, model):
+        return ed.inference.MTPDrafter().depth(model)
+
+    def init(self, *args):
+        return ed.inference.MTPDrafter().init(*args)
+
+    def prefill(self, *args):
+        return ed.inference.MTPDrafter().prefill(*args)
+
+    def drafts(self, state):
+        return ed.inference.MTPDrafter().drafts(state)
+
+    def draft(self, *args):
+        self.traced.items.append(1)
+        state = ed.inference.MTPDrafter().draft(*args)
+        verified = args[2]
+
+        def record(*values):
+            self.records.items.append(jax.device_get(values))
+
+        jax.debug.callback(record, verified, state.tokens, state.probs, ordered=True)
+        return state
 
 
 @eqx.filter_jit
@@ -162,22 +198,20 @@ def _few_tokens(model, keep: int = 4):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
+def test_greedy_speculative_equals_plain_greedy(models, name):
     # Prompts of 1..40 tokens in one batch, 64 new tokens each: past the window and many block
     # closes. With the shrunk head drafts are accepted (6-18% here) and rejected, every number
-    # of them (random weights alone accept almost none). The speculative step is traced once.
-    step = eqx.filter_jit(
-        eqx.debug.assert_max_traces(_speculative.step_fn, max_traces=1),
-        donate="all-except-first",
-    )
-    monkeypatch.setattr(_speculative, "step", step)
+    # of them (random weights alone accept almost none). The speculative step is traced once:
+    # the drafter drafts in two programs, after the prefill and in the step.
+    drafter = _Watched(_Log(), _Log())
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, CONFIGS[name].vocab_size, n)) for n in range(1, 41)]
     depth = CONFIGS[name].num_nextn_predict_layers
     model = _few_tokens(models[name])
     plain = ed.generate(model, prompts, max_new_tokens=64)
     stats = {}
-    spec = ed.generate(model, prompts, max_new_tokens=64, speculative=True, stats=stats)
+    spec = ed.generate(model, prompts, max_new_tokens=64, speculative=drafter, stats=stats)
+    assert len(drafter.traced.items) == 2 and stats["steps"] > 2
     for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
         assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
     assert stats["tokens"] == 40 * 64
@@ -186,26 +220,25 @@ def test_greedy_speculative_equals_plain_greedy(models, name, monkeypatch):
     assert all(count > 0 for count in stats["histogram"]), stats
 
 
-def test_drafts_equal_the_mtp_full_forward(models, monkeypatch):
-    # After every speculative step, the distributions the drafts were drawn from (both
-    # chained depths, sampling at temperature 1) against the MTP blocks run from position 0
-    # on the sequence so far: the MTP caches hold what the accepted tokens give, whatever was
-    # drafted and taken back (prompts of 1, 2 and 7 tokens: the depths' late starts too).
+def test_drafts_equal_the_mtp_full_forward(models):
+    # After every drafting (the first, then every speculative step), the distributions the
+    # drafts were drawn from (both chained depths, sampling at temperature 1) against the MTP
+    # blocks run from position 0 on the sequence so far: the MTP caches hold what the accepted
+    # tokens give, whatever was drafted and taken back (prompts of 1, 2 and 7 tokens: the
+    # depths' late starts too).
     model = _few_tokens(models["pro_like"])
-    records = []
-    jitted = _speculative.step
-
-    def recording(*args):
-        out = jitted(*args)
-        records.append(jax.device_get((out[1], out[4].tokens, out[4].probs)))
-        return out
-
-    monkeypatch.setattr(_speculative, "step", recording)
+    drafter = _Watched(_Log(), _Log())
     prompts = [[5], [8, 9], [1, 2, 3, 4, 5, 6, 7]]
     s = ed.Sampling(temperature=1.0)
     out = ed.generate(
-        model, prompts, max_new_tokens=24, sampling=s, key=jax.random.key(2), speculative=True
+        model,
+        prompts,
+        max_new_tokens=24,
+        sampling=s,
+        key=jax.random.key(2),
+        speculative=drafter,
     )
+    records = drafter.records.items
     assert len(records) > 8
     n = 48  # one padded length: one compiled forward (causal: padding changes nothing before)
 
@@ -217,7 +250,7 @@ def test_drafts_equal_the_mtp_full_forward(models, monkeypatch):
         h1, _ = model.mtp[1](x0, ids[:, 2:], model.embed)
         return model.head(h0, dtype=jnp.float32), model.head(h1, dtype=jnp.float32)
 
-    done = np.ones(3, np.int64)  # tokens out of generate so far (the first from the prefill)
+    done = np.zeros(3, np.int64)  # tokens out of generate so far (the first: the prefill's)
     checked = 0
     for counts, tokens, probs in records:
         done += counts
@@ -288,7 +321,7 @@ def test_accept_drafts_by_hand():
     # Greedy: accepted while the draft is the target's argmax; then the target's token.
     logits = jnp.log(jnp.asarray([[[0.1, 0.9, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]]] * 3))
     drafts = jnp.asarray([[1, 0], [1, 2], [0, 0]], jnp.int32)
-    accepted, tokens = ed.accept_drafts(logits, drafts, None, key, ed.Sampling())
+    accepted, tokens = ed.inference.accept_drafts(logits, drafts, None, key, ed.Sampling())
     np.testing.assert_array_equal(accepted, [2, 1, 0])
     np.testing.assert_array_equal(tokens, [[1, 0, 2]] * 3)
     # Sampling: a draft drawn from the target itself is always accepted; one from a
@@ -296,12 +329,12 @@ def test_accept_drafts_by_hand():
     s = ed.Sampling(temperature=1.0)
     p = jax.nn.softmax(logits[:1, :2], axis=-1)
     keys = jax.random.split(key, 200)
-    same = jax.vmap(lambda k: ed.accept_drafts(logits[:1], drafts[:1], p, k, s)[0])(keys)
+    same = jax.vmap(lambda k: ed.inference.accept_drafts(logits[:1], drafts[:1], p, k, s)[0])(keys)
     assert (np.asarray(same) == 2).all()
     never = jnp.asarray([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
     draft = jnp.asarray([[2, 0]], jnp.int32)
     zero = jnp.log(jnp.asarray([[[0.5, 0.5, 0.0], [0.8, 0.1, 0.1], [0.2, 0.3, 0.5]]]))
-    out = jax.vmap(lambda k: ed.accept_drafts(zero, draft, never, k, s))(keys)
+    out = jax.vmap(lambda k: ed.inference.accept_drafts(zero, draft, never, k, s))(keys)
     assert (np.asarray(out[0]) == 0).all()
     replaced = np.asarray(out[1])[:, 0, 0]
     assert set(replaced) == {0, 1} and 0.35 < (replaced == 0).mean() < 0.65
@@ -321,7 +354,7 @@ def test_speculative_sampling_draws_the_plain_distribution():
     n = 3000
 
     def probs(logits):
-        return np.asarray(jax.nn.softmax(ed._sampling.filtered_logits(logits, s), axis=-1))
+        return np.asarray(jax.nn.softmax(ed.inference.filtered_logits(logits, s), axis=-1))
 
     seqs = jnp.asarray([prompt + [x] for x in range(8)], jnp.int32)
     first = probs(eqx.filter_jit(model)(seqs[:1, :-1])[:, -1])[0]

@@ -17,8 +17,8 @@ from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import equinox_dsv4 as ed
-from equinox_dsv4._policy import platform_of, resolve
-from equinox_dsv4._sharding import cache_shardings
+from equinox_dsv4.execution import platform_of, resolve
+from equinox_dsv4.parallel import cache_shardings
 
 
 AXES = ("data", "fsdp", "tensor", "expert")
@@ -28,8 +28,8 @@ AXES = ("data", "fsdp", "tensor", "expert")
 CONFIG = dataclasses.replace(
     ed.Config.tiny(num_nextn_predict_layers=0),
     num_hidden_layers=5,
-    layer_types=(ed.SLIDING, ed.CSA, ed.HCA, ed.CSA, ed.HCA),
-    mlp_layer_types=(ed.HASH_MOE,) + (ed.MOE,) * 4,
+    layer_types=(ed.config.SLIDING, ed.config.CSA, ed.config.HCA, ed.config.CSA, ed.config.HCA),
+    mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
     scan_min_repeats=2,
 )
 
@@ -54,7 +54,7 @@ def _placed(tree, shardings):
 
 def _model(mesh: Mesh, dtype=jnp.bfloat16):
     model = eqx.filter_eval_shape(ed.DeepseekV4, CONFIG, key=jax.random.key(0), dtype=dtype)
-    return _placed(model, ed.named_shardings(model, mesh))
+    return _placed(model, ed.parallel.named_shardings(model, mesh))
 
 
 def _decode_step(mesh: Mesh, max_len: int, batch: int = 2):
@@ -78,9 +78,14 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
         assert platform_of() == "cpu" and resolve(None).narrow(bf16)
     # The policy of an ahead-of-time compile follows the arrays' placement, mesh set or not.
     assert (
-        ed.Policy.for_arrays(_model(tpu_mesh)) == ed.Policy.for_platform("tpu") == ed.Policy("tpu")
+        ed.execution.Policy.for_arrays(_model(tpu_mesh))
+        == ed.execution.Policy.for_platform("tpu")
+        == ed.execution.Policy("tpu")
     )
-    assert ed.Policy.for_arrays(bf16).widen_16bit and ed.Policy.for_arrays(bf16).platform == "cpu"
+    assert (
+        ed.execution.Policy.for_arrays(bf16).widen_16bit
+        and ed.execution.Policy.for_arrays(bf16).platform == "cpu"
+    )
 
 
 def test_tpu_trace_takes_the_generic_forms(tpu_mesh):
@@ -126,7 +131,7 @@ def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
 
     optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
     # The optimizer's moments placed as the parameters are (nothing allocated).
-    state = ed.abstract_train_state(model, optimizer)
+    state = ed.train.abstract_train_state(model, optimizer)
     tokens = jax.ShapeDtypeStruct((2, 33), jnp.int32, sharding=rows)
     batch = jax.tree.map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
@@ -176,7 +181,7 @@ def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
     assert report["layers"] == 3 and report["peak"]["chip"] == "v5p"
     train = report["phases"]["train"]
     config = ed.Config.tiny(num_nextn_predict_layers=0).first_layers(3)
-    assert train["useful_flops"] == ed.train_flops(config, 64) * 4 / 4
+    assert train["useful_flops"] == ed.train.train_flops(config, 64) * 4 / 4
     assert 0 < train["mfu_estimate"] <= 1 and train["estimate_seconds"] > 0
     # Parameters and Adam's two moments (in the parameters' dtype) split as the parameters
     # are: the default rules split the tiny model's largest weights (embedding, head) over

@@ -51,14 +51,14 @@ def test_gradients_match_torch_autograd():
 
     model = our_model(config, reference)
     expected = _grads_like(eqx.filter_eval_shape(lambda: model), reference)
-    params, frozen = eqx.partition(model, ed.trainable(model))
+    params, frozen = eqx.partition(model, ed.train.trainable(model))
     batch = ed.Batch.from_tokens(jnp.asarray(ids, jnp.int32))
 
     @eqx.filter_jit
     def value_and_grad(params):
-        return jax.value_and_grad(lambda p: ed.loss_and_stats(eqx.combine(p, frozen), batch)[0])(
-            params
-        )
+        return jax.value_and_grad(
+            lambda p: ed.train.loss_and_stats(eqx.combine(p, frozen), batch)[0]
+        )(params)
 
     value, grads = value_and_grad(params)
     np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
@@ -95,7 +95,7 @@ def test_loss_terms_worked_out_by_hand():
     mask[1, 10:] = 0  # padding at the end of row 1
     batch = ed.Batch.from_tokens(tokens, mask)
     loss, aux = eqx.filter_jit(
-        lambda m, b: ed.loss_and_stats(m, b, mtp_weight=0.5, balance_weight=0.01)
+        lambda m, b: ed.train.loss_and_stats(m, b, mtp_weight=0.5, balance_weight=0.01)
     )(model, batch)
 
     def ce(logits, targets, m):
@@ -123,7 +123,7 @@ def test_loss_terms_worked_out_by_hand():
 
 def test_balance_statistics_worked_out_by_hand():
     config = tiny_config(layer_types=(C,), num_hash_layers=0)
-    moe = random_fill(abstract(ed.nn.MoE, config, ed.MOE), seed=2)
+    moe = random_fill(abstract(ed.nn.MoE, config, ed.config.MOE), seed=2)
     b, s, e, k = 2, 6, config.n_routed_experts, config.num_experts_per_tok
     x = jnp.asarray(np.random.default_rng(2).normal(size=(b, s, config.hidden_size)), jnp.float32)
     _, stats = moe.with_stats(x, jnp.zeros((b, s), jnp.int32))
@@ -185,7 +185,7 @@ def test_bias_update_and_frozen_leaves(small):
         new.model.layers[0].blocks[0].attn.wq_a.weight, model.layers[0].blocks[0].attn.wq_a.weight
     )
     assert int(new.step) == 1 and np.isfinite(float(metrics["loss"]))
-    spec = ed.trainable(model)
+    spec = ed.train.trainable(model)
     gate = spec.layers[1].blocks[0].ffn.gate
     assert (
         gate.bias is False
@@ -238,8 +238,8 @@ def test_resume_is_bit_exact(tmp_path, small):
 
     straight = run(fresh(), 0, 10)
     half = run(fresh(), 0, 5)
-    ed.save_train_state(tmp_path / "state", half, data_position=5)
-    restored, position = ed.restore_train_state(tmp_path / "state", fresh())
+    ed.train.save_train_state(tmp_path / "state", half, data_position=5)
+    restored, position = ed.train.restore_train_state(tmp_path / "state", fresh())
     assert position == 5 and int(restored.step) == 5
     # A fresh state is committed to its device as a restored one is, so that the resumed run
     # reuses the step compiled for the first (jit compiles the two kinds apart).
@@ -257,14 +257,14 @@ def test_resume_is_bit_exact(tmp_path, small):
 def test_restore_rejects_another_model(tmp_path, small):
     config, opt, _ = small
     state = ed.init_train_state(random_fill(abstract(ed.DeepseekV4, config), seed=0), opt)
-    ed.save_train_state(tmp_path / "s", state)
+    ed.train.save_train_state(tmp_path / "s", state)
     other = ed.init_train_state(
         random_fill(abstract(ed.DeepseekV4, _small(hidden_size=48)), seed=0), opt
     )
     with pytest.raises(ValueError, match="saved as"):
-        ed.restore_train_state(tmp_path / "s", other)
+        ed.train.restore_train_state(tmp_path / "s", other)
     with pytest.raises(FileNotFoundError, match="train_state.json"):
-        ed.restore_train_state(tmp_path / "missing", state)
+        ed.train.restore_train_state(tmp_path / "missing", state)
 
 
 def _train_step_memory(remat: str | None) -> int:
@@ -357,13 +357,13 @@ def test_abstract_train_state_places_moments_like_parameters():
     placed = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         model,
-        ed.named_shardings(model, mesh),
+        ed.parallel.named_shardings(model, mesh),
     )
-    state = ed.abstract_train_state(placed, opt)
+    state = ed.train.abstract_train_state(placed, opt)
     real = ed.init_train_state(ed.shard(random_fill(model, seed=1), mesh), opt)
     ours = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
     assert ours == [(x.shape, x.dtype) for x in jax.tree.leaves(real)]
-    params = eqx.filter(placed, eqx.filter_eval_shape(ed.trainable, placed))
+    params = eqx.filter(placed, eqx.filter_eval_shape(ed.train.trainable, placed))
     by_param = jax.tree.leaves(params)
 
     def is_adam(node):
@@ -379,7 +379,7 @@ def test_abstract_train_state_places_moments_like_parameters():
     assert sum(len(p.sharding.spec) > 0 and any(p.sharding.spec) for p in by_param) > 20
     assert state.step.sharding.spec == jax.sharding.PartitionSpec()
     with pytest.raises(ValueError, match="placed on one mesh"):
-        ed.abstract_train_state(model, opt)
+        ed.train.abstract_train_state(model, opt)
 
 
 def test_example_train_script(tmp_path):

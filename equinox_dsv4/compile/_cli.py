@@ -1,0 +1,433 @@
+"""python -m equinox_dsv4.compile: compile a full-size prefill and decode step without weights.
+
+Builds the model abstractly (`eqx.filter_eval_shape`, nothing allocated), places it on a mesh
+of N devices (simulated CPU devices unless real ones exist) by the sharding rules, lowers and
+compiles a prefill of `--prefill` tokens and one decode step with the compressed KV cache, and
+prints XLA's per-device memory analysis (arguments, outputs, temporaries, generated code), the
+cost analysis (FLOPs, bytes accessed) and the compile times. This is how to check that a model
+and mesh fit before renting the hardware.
+
+With `--topology` (e.g. `v5p:4x4x4`; needs `pip install libtpu`, not a TPU) the programs are
+compiled by XLA's TPU compiler for that topology's chips, and the memory figures are the TPU's
+per chip, and the table adds a roofline estimate at the chip's published peak (`TPU_PEAKS`):
+the step's time as `max(FLOPs / peak, bytes accessed / HBM bandwidth)` from XLA's cost
+analysis, and the MFU that time gives the step's useful FLOPs (`train_flops`,
+`forward_flops`). XLA counts a loop's body once, so the estimate covers every layer only with
+`--unrolled`, and even then the experts' loop within a layer counts once: an upper bound on
+the MFU, printed for unrolled programs only.
+
+`--quantized` keeps the release's FP8/FP4 weights quantised, as
+`convert.load_hf(..., quantized=True)` does. `--train` compiles one training step instead
+(`make_train_step`: AdamW with its moments placed as the parameters, per-layer `--remat`,
+`--micro-batches` of gradient accumulation) on `--batch` sequences of `--seq-len` tokens.
+
+    python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
+    python -m equinox_dsv4.compile --model v4-flash --topology v5p:4x4x4 --quantized
+    python -m equinox_dsv4.compile --train --topology v5p:4x8x8 --mesh fsdp=32,expert=8 \
+        --seq-len 4096 --batch 32
+"""
+
+import argparse
+import json
+import sys
+import time
+
+from ..parallel import AXES, parse_mesh, parse_rules
+
+
+MODELS = ("v4-flash", "v4-pro", "tiny")
+PHASES = ("prefill", "decode", "train")
+# Published per-chip peaks (Google Cloud's TPU pages): dense bf16 FLOP/s, HBM bytes/s.
+TPU_PEAKS = {
+    "v4": (275e12, 1228e9),
+    "v5e": (197e12, 819e9),
+    "v5p": (459e12, 2765e9),
+    "v6e": (918e12, 1640e9),
+}
+
+
+def parse_policy(texts: list[str]) -> dict[str, object]:
+    """`["experts=ragged", "stationary_rows=0"]` -> `Policy` field overrides, each value in its
+    field's type."""
+    import dataclasses
+
+    from ..execution import Policy
+
+    fields = {f.name: f for f in dataclasses.fields(Policy)}
+    out: dict[str, object] = {}
+    for text in texts:
+        name, sep, value = text.partition("=")
+        field = fields.get(name)
+        if not sep or field is None or name == "platform":
+            raise ValueError(
+                f"bad --policy {text!r}: use FIELD=VALUE with FIELD one of "
+                f"{sorted(set(fields) - {'platform'})}"
+            )
+        default = field.default
+        if isinstance(default, bool):
+            if value not in ("true", "false"):
+                raise ValueError(f"bad --policy {text!r}: {name} is true or false")
+            out[name] = value == "true"
+        elif isinstance(default, int):
+            if not value.lstrip("-").isdigit():
+                raise ValueError(f"bad --policy {text!r}: {name} is an integer")
+            out[name] = int(value)
+        else:
+            out[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m equinox_dsv4.compile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", choices=MODELS, default="v4-flash")
+    parser.add_argument("--devices", type=int, default=64, help="simulated CPU devices")
+    parser.add_argument("--mesh", default="fsdp=8,expert=8", help="e.g. fsdp=8,expert=8")
+    parser.add_argument(
+        "--prefill",
+        "--seq-len",
+        dest="prefill",
+        type=int,
+        default=4096,
+        help="tokens per sequence of the prefill and of the train step",
+    )
+    parser.add_argument("--batch", type=int, help="sequences (default: data x fsdp)")
+    parser.add_argument("--max-len", type=int, help="cache length (default: prefill + 256)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--mtp", action="store_true", help="include the MTP block's weights")
+    parser.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="every layer unrolled (Config.scan_layers=False): XLA's cost analysis counts a "
+        "loop's body once, so only an unrolled program's FLOPs and bytes cover every layer",
+    )
+    parser.add_argument(
+        "--topology",
+        help="compile for the chips of this TPU topology (e.g. v5p:4x4x4; needs libtpu) "
+        "instead of simulated CPU devices; the mesh must use all of them",
+    )
+    parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="the release's FP8/FP4 weights kept quantised (values and ue8m0 scales)",
+    )
+    parser.add_argument(
+        "--phases", default="prefill,decode", help="comma-separated: prefill, decode, train"
+    )
+    parser.add_argument("--train", action="store_true", help="the train step only (--phases train)")
+    parser.add_argument(
+        "--remat",
+        choices=("dots", "nothing", "none"),
+        default="dots",
+        help="the train step's rematerialisation policy per layer (REMAT_POLICIES; 'none': keep "
+        "every activation)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="the train step's gradient accumulation: micro-batches per step (make_train_step)",
+    )
+    parser.add_argument(
+        "--layers", type=int, help="keep only the first N decoder layers (Config.first_layers)"
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=("exact", "release"),
+        default="exact",
+        help="'release': the official inference code's FP8/FP4 round trips (Config.numerics)",
+    )
+    parser.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="NAME=AXIS[+AXIS]",
+        help="override a sharding rule (repeatable), e.g. embed=fsdp+expert: dense weights "
+        "split over fsdp and expert (routed experts: over expert, and fsdp along their hidden "
+        "units, expert_up, or d_model, expert_in)",
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the platform's execution Policy (repeatable), e.g. "
+        "experts=ragged or stationary_rows=0",
+    )
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--hlo", help="write each phase's compiled HLO text to HLO.PHASE.txt")
+    args = parser.parse_args(argv)
+    try:
+        mesh_shape = parse_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        args.rules = parse_rules(args.rule)
+        args.policy = parse_policy(args.policy)
+    except ValueError as e:
+        parser.error(str(e))
+    phases = ["train"] if args.train else [p for p in args.phases.split(",") if p]
+    if not phases or any(p not in PHASES for p in phases):
+        parser.error(f"bad --phases {args.phases!r}: choose from {', '.join(PHASES)}")
+
+    import jax
+
+    if not args.topology:  # before any backend starts: this many simulated CPU devices
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    try:
+        results = run(args, mesh_shape, phases)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _devices(args: argparse.Namespace) -> list:
+    import jax
+
+    if args.topology:
+        from jax.experimental import topologies
+
+        try:
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
+        except Exception as e:  # libtpu missing, or a name it does not know
+            raise ValueError(f"cannot get TPU topology {args.topology!r}: {e}") from e
+        return list(desc.devices)
+    devices = jax.devices()[: args.devices]
+    if len(devices) < args.devices:
+        raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
+    return devices
+
+
+def _mesh(devices: list, mesh_shape: dict[str, int]):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    shape = tuple(mesh_shape.get(a, 1) for a in AXES)
+    if int(np.prod(shape)) != len(devices):
+        named = ",".join(f"{a}={n}" for a, n in zip(AXES, shape, strict=True))
+        raise ValueError(f"mesh {named} does not match {len(devices)} devices")
+    # Built directly: `jax.make_mesh` refuses shapes that split a TPU torus axis.
+    return Mesh(
+        np.array(devices).reshape(shape), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
+
+
+def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str]) -> dict:
+    import dataclasses
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import equinox_dsv4 as ed
+
+    config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro, "tiny": ed.Config.tiny}[
+        args.model
+    ]()
+    if not args.mtp:
+        config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
+    config = dataclasses.replace(config, numerics=args.numerics, scan_layers=not args.unrolled)
+    if args.layers:
+        config = config.first_layers(args.layers)
+    devices = _devices(args)
+    mesh = _mesh(devices, mesh_shape)
+    batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
+    max_len = args.max_len or args.prefill + 256
+    dtype = jnp.dtype(args.dtype)
+
+    t0 = time.perf_counter()
+    model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
+    if args.quantized:
+        model = ed.quant.abstract_quantized(model)
+    if args.policy:
+        platform = ed.execution.Policy.for_platform(devices[0].platform)
+        model = ed.execution.with_policy(model, dataclasses.replace(platform, **args.policy))
+    rules = ed.parallel.ShardingRules().replace(**args.rules)
+    model = _placed(model, ed.parallel.named_shardings(model, mesh, rules))
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
+    cache = _placed(cache, ed.parallel.cache_shardings(cache, mesh))
+    param_bytes = ed.quant.weight_bytes(model)["total"]
+    held = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, ed.quant.QuantizedWeight))
+    parameters = sum(int(np.prod(x.shape)) for x in held)  # logical, quantised or not
+    build = time.perf_counter() - t0
+    with jax.set_mesh(mesh):
+        rows = NamedSharding(mesh, PartitionSpec(ed.execution.batch_axes(batch), None))
+
+    def step(model, ids, cache):
+        # As `generate` runs them: a prefill needs only the last position's logits.
+        return model.decode(ids, cache, last_only=ids.shape[1] > 1)
+
+    results = {
+        "model": args.model,
+        "devices": len(devices),
+        "topology": args.topology,
+        "platform": devices[0].platform,
+        "quantized": args.quantized,
+        "numerics": args.numerics,
+        "unrolled": args.unrolled,
+        "layers": config.num_hidden_layers,
+        "remat": args.remat if "train" in phases else None,
+        "micro_batches": args.micro_batches if "train" in phases else None,
+        "peak": _peak(args.topology),
+        "mesh": dict(mesh.shape),
+        "batch": batch,
+        "max_len": max_len,
+        "dtype": args.dtype,
+        "rules": {k: v for k, v in rules.rules if k in args.rules},
+        "policy": args.policy,
+        "parameters": parameters,
+        "parameter_bytes": param_bytes,
+        "parameter_bytes_per_device_ideal": param_bytes / len(devices),
+        "cache_bytes": sum(
+            int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache)
+        ),
+        "build_seconds": build,
+        "phases": {},
+    }
+    print(
+        f"{args.model}: {results['parameters'] / 1e9:.2f} B parameters, "
+        f"{param_bytes / 2**30:.1f} GiB ({'FP8/FP4 + ' if args.quantized else ''}"
+        f"{args.dtype}); mesh {dict(mesh.shape)}; "
+        f"batch {batch}, cache {max_len} tokens",
+        file=sys.stderr,
+    )
+    for phase in phases:
+        tokens = 1 if phase == "decode" else args.prefill
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            if phase == "train":
+                remat = None if args.remat == "none" else args.remat
+                lowered = _train_step(model, batch, tokens, rows, remat, args.micro_batches)
+            else:
+                ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
+                lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        if args.hlo:
+            try:
+                text = compiled.as_text()
+            except jax.errors.JaxRuntimeError as e:  # seen for a TPU prefill: XLA's printer
+                print(f"{phase}: no HLO text ({e})", file=sys.stderr)
+            else:
+                with open(f"{args.hlo}.{phase}.txt", "w") as f:
+                    f.write(text)
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis() or {}
+        row = {
+            "tokens_per_sequence": tokens,
+            "trace_lower_seconds": t1 - t0,
+            "compile_seconds": t2 - t1,
+            "argument_bytes": memory.argument_size_in_bytes,
+            "output_bytes": memory.output_size_in_bytes,
+            "alias_bytes": memory.alias_size_in_bytes,
+            "temp_bytes": memory.temp_size_in_bytes,
+            "generated_code_bytes": memory.generated_code_size_in_bytes,
+            "flops": cost.get("flops"),
+            "bytes_accessed": cost.get("bytes accessed"),
+            "transcendentals": cost.get("transcendentals"),
+        }
+        row.update(_estimate(args, config, phase, tokens, batch, len(devices), row))
+        results["phases"][phase] = row
+        print(
+            f"{phase}: arguments {row['argument_bytes'] / 2**30:.2f} GiB + temporaries "
+            f"{row['temp_bytes'] / 2**30:.2f} GiB per device (compiled in {t2 - t1:.0f} s)",
+            file=sys.stderr,
+        )
+    _print_table(results)
+    return results
+
+
+def _peak(topology: str | None) -> dict | None:
+    chip = (topology or "").split(":")[0]
+    if chip not in TPU_PEAKS:
+        return None
+    flops, hbm = TPU_PEAKS[chip]
+    return {"chip": chip, "bf16_flops_per_s": flops, "hbm_bytes_per_s": hbm}
+
+
+def _estimate(args, config, phase: str, tokens: int, batch: int, devices: int, row) -> dict:
+    """Useful FLOPs per device, and where the chip's peak is known the roofline time and MFU
+    from XLA's cost analysis (an unrolled program's only: a scanned one counts a layer once)."""
+    import equinox_dsv4 as ed
+
+    useful = None  # a decode step's useful work depends on its context: not estimated
+    if phase == "train":
+        useful = ed.train.train_flops(config, tokens)
+    elif phase == "prefill":
+        useful = ed.train.forward_flops(config, tokens)
+    out = {"useful_flops": None if useful is None else useful * batch / devices}
+    peak = _peak(args.topology)
+    if peak is None or not args.unrolled or not row["flops"] or not row["bytes_accessed"]:
+        return out | {"estimate_seconds": None, "mfu_estimate": None}
+    seconds = max(
+        row["flops"] / peak["bf16_flops_per_s"], row["bytes_accessed"] / peak["hbm_bytes_per_s"]
+    )
+    mfu = None if useful is None else out["useful_flops"] / seconds / peak["bf16_flops_per_s"]
+    return out | {"estimate_seconds": seconds, "mfu_estimate": mfu}
+
+
+def _placed(tree, shardings):
+    import jax
+
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
+    )
+
+
+def _train_step(model, batch: int, tokens: int, rows, remat: str | None, micro_batches: int):
+    """The lowered training step (AdamW, per-layer remat `remat`, `micro_batches` of gradient
+    accumulation) on `batch` sequences of `tokens`; the optimizer state placed with the
+    parameters' shardings."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import equinox_dsv4 as ed
+
+    optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
+    state = ed.train.abstract_train_state(model, optimizer)
+    ids = jax.ShapeDtypeStruct((batch, tokens + 1), jnp.int32, sharding=rows)
+    data = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
+        eqx.filter_eval_shape(ed.Batch.from_tokens, ids),
+    )
+    step = ed.make_train_step(optimizer, remat=remat, micro_batches=micro_batches)
+    return step.lower(state, data)
+
+
+def _print_table(results: dict) -> None:
+    gib = 2**30
+    ideal = results["parameter_bytes_per_device_ideal"]
+    peak = results["peak"]
+    mfu = f"MFU upper bound ({peak['chip']} peak) |" if peak else ""
+    print(
+        "| phase | trace + lower | compile | arguments / device | (params / devices) "
+        "| temporaries / device | outputs / device | code | FLOPs / device "
+        f"| useful FLOPs / device |{mfu}"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peak else ""))
+    for phase, r in results["phases"].items():
+        flops = f"{r['flops']:.3g}" if r["flops"] else "n/a"
+        useful = f"{r['useful_flops']:.3g}" if r["useful_flops"] else "n/a"
+        if r["mfu_estimate"] is not None:
+            estimate = f" {r['mfu_estimate']:.1%} ({r['estimate_seconds']:.3g} s) |"
+        else:
+            estimate = " n/a (needs --unrolled) |" if peak else ""
+        print(
+            f"| {phase} ({r['tokens_per_sequence']} tok) | {r['trace_lower_seconds']:.1f} s "
+            f"| {r['compile_seconds']:.1f} s | {r['argument_bytes'] / gib:.2f} GiB "
+            f"| {ideal / gib:.2f} GiB (x{r['argument_bytes'] / ideal:.2f}) "
+            f"| {r['temp_bytes'] / gib:.2f} GiB | {r['output_bytes'] / gib:.2f} GiB "
+            f"| {r['generated_code_bytes'] / 2**20:.1f} MiB | {flops} | {useful} |{estimate}"
+        )

@@ -1,0 +1,164 @@
+"""The routed experts on one device: each (token, expert) assignment through its expert, with
+the work proportional to `num_experts_per_tok`, never to the number of experts (`dispatch`).
+With many assignments (a prefill, a train step) they are sorted by expert and run by the
+policy's kernel: the expert loop (`expert_mlps`) or `jax.lax.ragged_dot`; with few (decoding)
+each assignment runs through its own expert, and only the chosen experts' weights are read.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..quant import QuantizedWeight, act_quant
+from ._expert_loop import _expert_block, _over_experts, expert_mlps, swiglu
+from ._policy import Policy, resolve
+from ._products import wider_dtype
+
+
+# Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill on XLA:CPU.
+MAX_BLOCK_LOG2 = 7
+# The expert loop pads each expert's rows to a multiple of this (its short blocks' size).
+TAIL_ROWS = 16
+
+
+def dispatch(
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    limit: float,
+    numerics: str,
+    policy: Policy | None,
+) -> Float[Array, "tokens d_model"]:
+    """Routed experts for the (token, expert) assignments, computed only where assigned. An
+    assignment to expert `len(w1)` (out of range) is dropped.
+
+    With more assignments than experts (prefill), the assignments are sorted by expert and run
+    by `policy.experts`' kernel: `"loop"`, each expert's group padded to `TAIL_ROWS` and run
+    in blocks through that expert in a loop over experts (`expert_mlps`), which reads each
+    expert's weights once; `"ragged"`, `jax.lax.ragged_dot` over the sorted rows (dense
+    weights only: quantised ones take the loop, which dequantises one expert at a time). With
+    at most one assignment per expert on average (decoding), each assignment runs through its
+    own expert, reading only the `top_k` chosen experts per token: in a loop over
+    assignments, one expert's weights at a time, or with `policy.gather_experts` the chosen
+    experts' weights gathered at once and the products batched (for weights that are a value,
+    not a parameter: a slice of a scanned layer stack, weights gathered across devices, which
+    a loop would copy whole to pass in). Every product is laid out by `policy` (`None`: the
+    target platform's). `numerics`: under `"release"`, each expert's hidden activation makes
+    the FP8 round trip before `w2` (`act_quant`); `x` is the caller's to quantise.
+
+    **Returns:** float32 `sum_j weights[:, j] * expert_{indices[:, j]}(x)`; with many
+    assignments each one's output is rounded to `x.dtype` before the sum.
+    """
+    policy = resolve(policy)
+    act = (limit, numerics)
+    tokens, top_k = indices.shape
+    n_experts = w1.shape[0]
+    rows = tokens * top_k
+    expert = indices.reshape(rows)
+    if rows <= n_experts:
+        run = _gathered if policy.gather_experts else _one_by_one
+        x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
+        chosen = jnp.minimum(expert, n_experts - 1)
+        ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
+        ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
+        return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
+    quantized = isinstance(w1, QuantizedWeight)
+    if policy.experts == "ragged" and not quantized:
+        ys = _ragged(x, weights, expert, top_k, w1, w2, w3, act)
+        return jnp.sum(ys.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1)
+    # Block size: about one block per expert at this load, a power of two in [1, 128].
+    block = 1 << max(0, min(MAX_BLOCK_LOG2, math.ceil(math.log2(max(1, rows // n_experts)))))
+    pad = min(TAIL_ROWS, block)
+    size = _padded_rows(rows, n_experts, pad)
+
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=n_experts)  # the dropped expert is not counted
+    padded = -(-counts // pad) * pad
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    sorted_start = jnp.cumsum(counts) - counts
+    # Padded row p: its expert, its rank in the expert's group, and the assignment it holds.
+    p = jnp.arange(size)
+    e = jnp.minimum(jnp.searchsorted(padded_end, p, side="right"), n_experts - 1)
+    rank = p - padded_start[e]
+    held = rank < counts[e]
+    assignment = order[jnp.where(held, sorted_start[e] + rank, 0)]
+    xs = x[assignment // top_k]  # rows holding none: any token, with weight 0
+    ws = jnp.where(held, weights.reshape(rows)[assignment], 0.0)
+
+    ys = expert_mlps(xs, ws, w1, w2, w3, padded_start, padded, act, block, pad, policy)
+    # Each assignment's padded row, read back per token: a gather, no scatter.
+    position = jnp.zeros((rows,), jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    safe = jnp.minimum(expert, n_experts - 1)
+    row = padded_start[safe] + position - sorted_start[safe]
+    ys = jnp.where((expert < n_experts)[:, None], ys[jnp.minimum(row, size - 1)], 0.0)
+    return jnp.sum(ys.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1)
+
+
+# `ragged_dot_general` of rows [m, in] sorted by group and a stack [groups, out, in] as stored
+# (HF `(out, in)` layout): row i through the weight of its group.
+_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
+    # The assignments sorted by expert (the dropped ones last, outside every group), the three
+    # products as ragged dots over the groups, each assignment's output rounded to x.dtype as
+    # the loop's are, then back in assignment order: [rows, d_model].
+    limit, numerics = act
+    n_experts = w1.shape[0]
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=n_experts).astype(jnp.int32)
+    xs = x[order // top_k]
+    ws = weights.reshape(-1)[order]
+    c = wider_dtype(x, w1)
+
+    def product(a, w):
+        return jax.lax.ragged_dot_general(
+            a.astype(c), w.astype(c), counts, _RAGGED, preferred_element_type=jnp.float32
+        )
+
+    g, u = product(xs, w1), product(xs, w3)
+    h = act_quant((swiglu(g, u, limit) * ws[:, None]).astype(x.dtype), numerics)
+    ys = product(h, w2).astype(x.dtype)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.where((expert < n_experts)[:, None], ys[position], 0)
+
+
+def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):
+    # A loop over assignments, each copying its expert's weights out of the stack; the copies
+    # share one buffer. Unrolled, every copy got its own, temporaries that malloc mapped
+    # fresh, page faults included, on every token.
+    def one(_, w, a):
+        x, wt = a
+        return None, _expert_row(x, wt, *w, act, policy)
+
+    return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws), policy)[1]
+
+
+def _gathered(xs, ws, chosen, w1, w2, w3, act, policy):
+    # The chosen experts' weights in one gather, the products batched over assignments. In a
+    # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
+    # chosen experts; a loop would get the layer's slice of every expert copied in.
+    one = functools.partial(_expert_row, act=act, policy=policy)
+    return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
+
+
+def _expert_row(x, w, w1e, w2e, w3e, act, policy):
+    # One assignment (a row `x` with routing weight `w`) through one expert, float32.
+    return _expert_block(x[None], w[None], w1e, w2e, w3e, act, x.dtype, policy)[0]
+
+
+def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
+    # Room for `rows` sorted rows when each expert's group is padded to a multiple of `pad`: at
+    # most min(E, rows) groups are partial.
+    return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad

@@ -1,0 +1,228 @@
+"""The routed experts' entry point (`routed_experts`): on one device `dispatch`, and on a mesh
+with an `expert` axis expert parallelism (`expert_parallel`), a `shard_map` in which each
+device computes its own experts' share of the assignments (the official inference code's
+expert parallelism), gathering the weights over `fsdp` for many tokens and moving the tokens
+to the weights for few."""
+
+import functools
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ..quant import ACT_BLOCK, RELEASE, QuantizedWeight, act_quant, whole_blocks
+from ._dispatch import dispatch
+from ._expert_loop import swiglu, varying_like
+from ._mesh import batch_axes, mesh_axis
+from ._policy import Policy, resolve
+from ._products import linear
+
+
+def routed_experts(
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    limit: float,
+    numerics: str,
+    policy: Policy | None,
+) -> Float[Array, "tokens d_model"]:
+    """`sum_j weights[:, j] * expert_{indices[:, j]}(x)` in float32, expert `e` being
+    `w2[e] swiglu(w1[e] x, w3[e] x)` (`limit`: the SwiGLU clamp; `numerics`: see `dispatch`):
+    under a mesh with an `expert` axis by `expert_parallel`, else by `dispatch`, in the forms
+    `policy` chooses."""
+    if mesh_axis("expert") > 1:
+        return expert_parallel(x, indices, weights, w1, w2, w3, limit, numerics, policy)
+    return dispatch(x, indices, weights, w1, w2, w3, limit, numerics, policy)
+
+
+def expert_parallel(
+    x: Float[Array, "tokens d_model"],
+    indices: Int[Array, "tokens topk"],
+    weights: Float[Array, "tokens topk"],
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    limit: float,
+    numerics: str,
+    policy: Policy | None,
+) -> Float[Array, "tokens d_model"]:
+    """The routed experts on a mesh with an `expert` axis: each device holds
+    `experts / mesh["expert"]` of them and computes the assignments of its tokens (split over
+    the batch axes, replicated over `expert` and `tensor`) to those, with hidden units split
+    over `tensor` when it divides them; the partial outputs are summed over both axes. This is
+    the official inference code's expert parallelism, as a `shard_map`.
+
+    Over `fsdp`, `w2` is split along `d_model` and `w1`/`w3` along their hidden units (or, where
+    those do not split into whole blocks, along `d_model`; see `ShardingRules`). With many
+    tokens each device gathers its experts' weights over `fsdp`, one layer at a time, and
+    computes its own tokens. With few (at most `policy.stationary_rows` assignments in all, a decode
+    step) the weights stay where they are and the tokens travel instead: each device takes its
+    `fsdp` group's tokens through its slice of the chosen experts' `w1`/`w3` (of every local
+    expert, once, where the assignments are at least as many as the local experts; gathering
+    the hidden activations, or summing partial products over `fsdp` when `d_model` is what is
+    split) and then its slice of `w2`, whose outputs go back to the tokens' devices, so a
+    decode step moves activations, not every expert's weights."""
+    mesh = jax.sharding.get_abstract_mesh()
+    policy = resolve(policy)
+    # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
+    # under the release's numerics each device's share of the hidden units must also hold
+    # whole 128-wide activation blocks, or its round trips would differ from one device's.
+    parts = mesh_axis("tensor")
+    tensor_ok = whole_blocks(w1, -2, parts) and whole_blocks(w2, -1, parts)
+    if numerics == RELEASE:
+        tensor_ok = tensor_ok and w1.shape[-2] % (parts * ACT_BLOCK) == 0
+    tensor = "tensor" if mesh_axis("tensor") > 1 and tensor_ok else None
+    # The weights enter in their stored layout and are gathered here, one layer at a time: a
+    # layout change demanded at the boundary would be applied to a scanned stack's whole
+    # weight, before the loop.
+    fsdp = "fsdp" if mesh_axis("fsdp") > 1 else None
+    up = bool(fsdp) and whole_blocks(w1, -2, (parts if tensor else 1) * mesh_axis("fsdp"))
+    split = {
+        "w1": 1 if up else 2 if fsdp and whole_blocks(w1, -1, mesh_axis("fsdp")) else None,
+        "w2": 1 if fsdp and whole_blocks(w2, -2, mesh_axis("fsdp")) else None,
+    }
+    if split["w1"] is None and split["w2"] is None:
+        fsdp = None
+    tokens = batch_axes(x.shape[0])
+    # Tokens not split over fsdp (a batch it does not divide, e.g. one sequence decoding): each
+    # fsdp device computes the same outputs from the gathered weights, which JAX types as
+    # varying over fsdp. One of them keeps its outputs and the sum runs over fsdp too, which
+    # returns them exactly and lets the gradients of the gathered weights reduce correctly.
+    spread = fsdp is not None and "fsdp" not in (tokens or ())
+    reduce = ("expert",) + ((tensor,) if tensor else ())
+
+    few = x.shape[0] * indices.shape[1] <= policy.stationary_rows
+    if few and None not in split.values():
+        local = functools.partial(
+            _stationary,
+            act=(limit, numerics),
+            up=up,
+            split=not spread,
+            reduce=reduce,
+            policy=policy,
+        )
+    else:
+        local = functools.partial(
+            _gathering,
+            act=(limit, numerics),
+            axes=split,
+            spread=spread,
+            reduce=reduce,
+            policy=policy,
+        )
+    row = P(tokens, None)
+    hidden = tuple(a for a in (tensor, fsdp if up else None) if a) or None
+    if hidden is not None and len(hidden) == 1:
+        hidden = hidden[0]
+    w13 = P("expert", hidden, fsdp if split["w1"] == 2 else None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(row, row, row, w13, P("expert", fsdp if split["w2"] else None, tensor), w13),
+        out_specs=row,
+    )(x, indices, weights, w1, w2, w3)
+
+
+def _mine(indices, weights, n_local):
+    # This device's experts among the assignments: local ids (others: `n_local`, dropped) and
+    # the routing weights with the others' zeroed.
+    first = jax.lax.axis_index("expert") * n_local
+    mine = (indices >= first) & (indices < first + n_local)
+    return jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
+
+
+def _gathering(x, indices, weights, w1, w2, w3, *, act, axes, spread, reduce, policy):
+    # Many tokens: this device's experts' weights gathered over fsdp, its own tokens computed.
+    def gather(w, axis):
+        # A quantised weight's values and scales are gathered alike (same rank, same axes).
+        if axis is None:
+            return w
+        return jax.tree.map(lambda a: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True), w)
+
+    w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])
+    local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
+    # The gathered weights are a value, not a parameter (see `dispatch`).
+    y = dispatch(x, local_ids, mine_weights, w1, w2, w3, *act, replace(policy, gather_experts=True))
+    if spread:
+        y = jnp.where(jax.lax.axis_index("fsdp") == 0, y, jnp.zeros_like(y))
+        reduce += ("fsdp",)
+    return jax.lax.psum(y, reduce)
+
+
+def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, policy):
+    # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
+    # device's slice of its experts' weights: of `w1`/`w3`'s hidden units (`up`) or of their
+    # `d_model`, and of `w2`'s `d_model`; the chosen experts only where the assignments are
+    # fewer than the local experts, else every local expert, once.
+    if split:
+        x, indices, weights = (
+            jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
+        )
+    n_local, width = w2.shape[0], w2.shape[1]
+    local_ids, mine_weights = _mine(indices, weights, n_local)
+    tokens, top_k = indices.shape
+    rows = tokens * top_k
+    if not up:
+        x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * width, width, axis=1)
+    limit, numerics = act
+    if n_local <= rows:
+        # At least as many assignments as local experts: every local expert on every token,
+        # weighted by the token's routing weight for it (zero where not chosen), reads each
+        # local expert once, where copying each assignment's expert out of the stack would
+        # write (and read back) more than the whole stack.
+        def products(a, w):  # a [tokens, ..., in] by each expert of w -> [tokens, experts, out]
+            def each(a, w):
+                return linear(a, w, policy, dtype=jnp.float32)
+
+            return jax.vmap(each, in_axes=(1 if a.ndim == 3 else None, 0), out_axes=1)(a, w)
+
+        g, u = products(x, w1), products(x, w3)
+        if not up:
+            g, u = jax.lax.psum((g, u), "fsdp")
+        one_hot = local_ids[..., None] == jnp.arange(n_local)[None, None]
+        per_expert = jnp.sum(jnp.where(one_hot, mine_weights[..., None], 0.0), axis=1)
+        # Masked, not only weighted by zero: an expert no token chose adds exact zeros.
+        chosen = jnp.any(one_hot, axis=1)[..., None]
+        h = jnp.where(chosen, swiglu(g, u, limit) * per_expert[..., None], 0.0).astype(x.dtype)
+        if up:
+            h = jax.lax.all_gather(h, "fsdp", axis=2, tiled=True)
+        y = jnp.sum(products(act_quant(h, numerics), w2), axis=1)
+    else:
+        y = _assignments(x, local_ids, mine_weights, w1, w2, w3, up, act, policy)
+    if split:  # each device's tokens back to it, whole `d_model`
+        return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
+    # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
+    # fsdp with the rest (an all-gather would leave the result typed as varying over fsdp).
+    whole = varying_like(jnp.zeros((tokens, width * mesh_axis("fsdp")), y.dtype), y)
+    whole = jax.lax.dynamic_update_slice_in_dim(whole, y, jax.lax.axis_index("fsdp") * width, 1)
+    return jax.lax.psum(whole, reduce + ("fsdp",))
+
+
+def _assignments(x, local_ids, mine_weights, w1, w2, w3, up, act, policy):
+    # Fewer assignments than local experts: each assignment through a copy of its expert's
+    # weights (the chosen experts' rows of the stack, gathered), others' assignments zeroed.
+    n_local, width = w2.shape[0], w2.shape[1]
+    tokens, top_k = local_ids.shape
+    rows = tokens * top_k
+    chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
+    x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
+
+    def product(a, w):
+        return linear(a[None], w, policy, dtype=jnp.float32)[0]
+
+    g = jax.vmap(product)(x_rows, w1[chosen])
+    u = jax.vmap(product)(x_rows, w3[chosen])
+    if not up:
+        g, u = jax.lax.psum((g, u), "fsdp")
+    h = swiglu(g, u, act[0]) * mine_weights.reshape(rows)[:, None]
+    h = h.astype(x.dtype)
+    if up:  # this device's hidden units, then all of its tensor slice's
+        h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
+    y = jax.vmap(product)(act_quant(h, act[1]), w2[chosen])
+    y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
+    return jnp.sum(y.reshape(tokens, top_k, width), axis=1)

@@ -1,0 +1,188 @@
+"""The execution policy: which form each computation takes on the backend a program is compiled
+for.
+
+The math is the same under every policy. A few computations have a second form that exists
+only for one backend (XLA:CPU computes 16-bit floats in float32 and schedules breadth first),
+or a kernel that suits one backend and not another (the routed experts); `Policy` says which
+forms a program uses. It is fixed on the model, as `numerics` is: a static field of every
+module that chooses a form, set across the tree by `with_policy`, which the model's jitted
+entry points do with the policy of the platform the weights live on unless the model already
+carries one. It is static, so each policy is its own compiled program, and a test can run any
+policy on any machine. The forms themselves are this package's other modules;
+docs/design.md says why each exists and what guards it.
+"""
+
+import copy
+import dataclasses
+from typing import Any, Literal, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array
+
+from .._typecheck import typechecked
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How the layer loop, the routed experts and the primitives are laid out.
+
+    - `platform`: what the policy was decided for (informative; the fields decide).
+    - `widen_16bit`: the backend computes 16-bit floats in float32, converting operands first
+      (XLA:CPU). Then 16-bit products take a float32 result (`linear_widened`), a few rows
+      (`few_writes`) of a 16-bit cache are written as dynamic updates, not a scatter
+      (`set_rows`), and a loop's 16-bit output buffer is held in float32 and rounded to 16
+      bits as it leaves the loop (`held_dtype`: XLA:CPU converts a 16-bit buffer whole around
+      each dynamic update of it).
+    - `carry_stacks`: for the same reason, 16-bit layer stacks ride in a loop's carry, through
+      a barrier, so that their conversion cannot be hoisted in front of the loop, whole.
+    - `late_slices`: the scheduler creates values as early as it can (XLA:CPU's breadth-first
+      default). Then an unrolled loop over stacked layers takes layer `r`'s slices only once
+      the residual streams exist.
+    - `group_matmuls`: the attention's grouped output projection runs as one matmul per group
+      (XLA:CPU runs the batched einsum as per-token matmuls), except for `few_tokens` or fewer
+      (a decode step), where the batched einsum reads `wo_a` as stored; 16-bit ones always.
+    - `blocked_argmax`: greedy sampling takes block maxima of an order-preserving integer key,
+      then an argmax inside the winning block (XLA:CPU's argmax is a scalar reduction).
+    - `experts`: the routed experts' form for many assignments (a prefill, a train step):
+      `"loop"`, a loop over experts on rows sorted by expert with its gradient written out
+      (`expert_mlps`), or `"ragged"`, `jax.lax.ragged_dot` on the same sorted rows (dense
+      weights; quantised ones take the loop, which dequantises one expert at a time).
+    - `gather_experts`: decoding's routed experts gather the chosen experts' weights and batch
+      the products, instead of a loop over assignments. Set by the layer loop for a scanned
+      stack, whose expert weights are slices (values, which a loop would copy whole), not by
+      the platform.
+    - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
+      the tokens travel to the experts' weights instead of the weights being gathered.
+    """
+
+    platform: str = "generic"
+    widen_16bit: bool = False
+    carry_stacks: bool = False
+    late_slices: bool = False
+    group_matmuls: bool = False
+    blocked_argmax: bool = False
+    experts: Literal["loop", "ragged"] = "loop"
+    gather_experts: bool = False
+    few_writes: int = 16
+    few_tokens: int = 16
+    stationary_rows: int = 64
+
+    def __post_init__(self):
+        if self.experts not in ("loop", "ragged"):
+            raise ValueError(f"Policy.experts must be 'loop' or 'ragged', got {self.experts!r}")
+        for name in ("few_writes", "few_tokens", "stationary_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"Policy.{name} must be an int, got {value!r}")
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "Policy":
+        """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...)."""
+        if platform != "cpu":
+            return cls(platform)
+        return cls(
+            platform,
+            widen_16bit=True,
+            carry_stacks=True,
+            late_slices=True,
+            group_matmuls=True,
+            blocked_argmax=True,
+        )
+
+    @classmethod
+    def for_arrays(cls, *trees: Any) -> "Policy":
+        """The policy for the platform that the arrays in `trees` live on (`platform_of`)."""
+        return cls.for_platform(platform_of(*trees))
+
+    def narrow(self, *arrays: Array) -> bool:
+        """Whether any of `arrays` is a 16-bit float that the backend widens (`widen_16bit`)."""
+        return self.widen_16bit and any(_is_16bit(a.dtype) for a in arrays)
+
+    def held_dtype(self, dtype: DTypeLike) -> jnp.dtype:
+        """The dtype a loop holds an output buffer of `dtype` values in, updated a block at a
+        time: float32 for a 16-bit float the backend widens (`widen_16bit`), else `dtype`."""
+        dtype = jnp.dtype(dtype)
+        return jnp.dtype(jnp.float32) if self.widen_16bit and _is_16bit(dtype) else dtype
+
+    def carries(self, *arrays: Array) -> bool:
+        """Whether a loop over stacks holding `arrays` carries them (`carry_stacks`: some are
+        16-bit floats)."""
+        return self.carry_stacks and any(_is_16bit(a.dtype) for a in arrays)
+
+
+def _is_16bit(dtype: jnp.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+
+
+def resolve(policy: Policy | None) -> Policy:
+    """`policy`, or where it is `None` (a module used before `with_policy`, or on its own) the
+    policy of the platform the computation compiles for (`platform_of`)."""
+    return Policy.for_platform(platform_of()) if policy is None else policy
+
+
+@typechecked
+def with_policy(tree: T, policy: Policy | None) -> T:
+    """`tree` with the `policy` field of every module in it set to `policy` (`None`: decided
+    per computation from the platform), as `eqx.nn.inference_mode` sets `inference`. The
+    field is static: a model carries its policy into the key of every compiled program."""
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a Policy or None, got {type(policy).__name__}")
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, tuple | list):
+            items = [visit(item) for item in node]
+            changed = any(new is not old for new, old in zip(items, node, strict=True))
+            return type(node)(items) if changed else node
+        if not isinstance(node, eqx.Module):
+            return node
+        changes = {}
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            if field.name == "policy" and field.metadata.get("static", False):
+                if value != policy:
+                    changes[field.name] = policy
+            elif not field.metadata.get("static", False):
+                new = visit(value)
+                if new is not value:
+                    changes[field.name] = new
+        if not changes:
+            return node
+        # A static field is part of the pytree's structure, which `eqx.tree_at` cannot
+        # change: the module is copied and its fields set on the copy.
+        node = copy.copy(node)
+        for name, value in changes.items():
+            object.__setattr__(node, name, value)
+        return node
+
+    return visit(tree)
+
+
+def policy_field() -> Any:
+    """The `policy` field of a module that chooses forms: static, `None` until `with_policy`
+    (its `__init__` sets it to `None`, as it sets every field)."""
+    return eqx.field(static=True)
+
+
+def platform_of(*trees: Any) -> str:
+    """The platform of the computation on these arrays: the platform of the context mesh
+    (`jax.set_mesh`, so that an ahead-of-time compile for a TPU topology from a CPU host is a
+    TPU program), else of the first concrete array or sharded `ShapeDtypeStruct` among the
+    leaves, else JAX's default backend (tracers carry no devices)."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and device.platform:
+        return device.platform
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            return next(iter(leaf.devices())).platform
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.ShapeDtypeStruct) and isinstance(sharding, jax.sharding.Sharding):
+            devices = getattr(sharding, "device_set", None)
+            if devices:
+                return next(iter(devices)).platform
+    return jax.default_backend()

@@ -1,0 +1,33 @@
+"""`equinox_dsv4.inference`: generation with the compressed KV cache.
+
+Sampling (`Sampling`, `sample`, the speculative rule `accept_drafts`), the jitted prefill and
+decode steps, `generate` (one host loop for plain and speculative decoding, MTP blocks as the
+drafter), and the cache's size (`cache_bytes`).
+
+May import: config, quant, execution, nn, parallel.
+"""
+
+from ._drafting import AbstractDrafter as AbstractDrafter, MTPDrafter as MTPDrafter
+from ._generate import decode_step as decode_step, generate as generate, prefill as prefill
+from ._sampling import (
+    Sampling as Sampling,
+    accept_drafts as accept_drafts,
+    filtered_logits as filtered_logits,
+    sample as sample,
+)
+from ._sizes import cache_bytes as cache_bytes, cache_bytes_per_token as cache_bytes_per_token
+
+
+__all__ = [
+    "generate",
+    "prefill",
+    "decode_step",
+    "AbstractDrafter",
+    "MTPDrafter",
+    "Sampling",
+    "sample",
+    "filtered_logits",
+    "accept_drafts",
+    "cache_bytes",
+    "cache_bytes_per_token",
+]

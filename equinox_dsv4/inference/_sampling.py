@@ -1,0 +1,138 @@
+"""Choosing tokens from logits: greedy, or sampling with temperature, top-k and top-p; and the
+speculative-sampling rule that accepts or replaces drafted tokens without changing the
+distribution of the output (Leviathan et al. 2023, Chen et al. 2023)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._typecheck import typechecked
+from ..execution import Policy, argmax
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How to pick the next token: greedy when `temperature == 0`, otherwise from the softmax of
+    `logits / temperature` restricted to the `top_k` most likely tokens (0: all) and to the
+    smallest set whose probability reaches `top_p` (nucleus sampling)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        for name, kinds in (
+            ("temperature", (int, float)),
+            ("top_k", (int,)),
+            ("top_p", (int, float)),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                expected = " or ".join(k.__name__ for k in kinds)
+                raise TypeError(f"Sampling.{name} must be {expected}, got {value!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@typechecked
+def filtered_logits(
+    logits: Float[Array, "*batch vocab"], sampling: Sampling
+) -> Float[Array, "*batch vocab"]:
+    """float32 `logits / temperature`, `-inf` outside the top-k and top-p sets: the
+    distribution `sample` draws from is their softmax. Not for greedy `sampling`."""
+    assert not sampling.greedy
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        # Keep a token if the mass of the tokens before it is below top_p (the first always).
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = before < sampling.top_p
+        keep = jnp.put_along_axis(
+            jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
+@typechecked
+def sample(
+    logits: Float[Array, "batch vocab"],
+    key: PRNGKeyArray,
+    sampling: Sampling,
+    *,
+    policy: Policy | None = None,
+) -> Int[Array, " batch"]:
+    """One token per row (see `Sampling`); greedy takes the first largest logit (NaN counting
+    as largest), in the form `policy` says (`execution.argmax`; default: the one for the
+    target platform)."""
+    if sampling.greedy:
+        return argmax(logits, policy)
+    logits = filtered_logits(logits, sampling)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@typechecked
+def accept_drafts(
+    logits: Float[Array, "batch drafts_plus_one vocab"],
+    drafts: Int[Array, "batch drafts"],
+    draft_probs: Float[Array, "batch drafts vocab"] | None,
+    key: PRNGKeyArray,
+    sampling: Sampling,
+    *,
+    policy: Policy | None = None,
+) -> tuple[Int[Array, " batch"], Int[Array, "batch drafts_plus_one"]]:
+    """Speculative decoding's verdict on `drafts`, given the target model's logits at the
+    position before each draft and after the last (`logits[:, i]` scores the token `drafts[:,
+    i]` stands for).
+
+    Greedy: a draft is accepted while it equals the target's greedy token. Otherwise draft `i`
+    is accepted with probability `min(1, p_i(d) / q_i(d))`, `p_i` the target's distribution
+    after `sampling`'s filters and `q_i = draft_probs[:, i]` the one the draft was drawn from;
+    the first rejected one is replaced by a draw from `max(0, p_i - q_i)` (normalised), and if
+    all are accepted one more token is drawn from the last `p`. The tokens so produced are
+    distributed exactly as tokens drawn one by one from the target.
+
+    **Returns:** `(accepted, tokens)`: per row the number of accepted drafts `a`, and the
+    tokens produced, the first `a + 1` of `tokens[b]` (the accepted drafts, then the
+    replacement or the extra token); the rest is unspecified.
+    """
+    b, n, v = logits.shape
+    if sampling.greedy:
+        target = sample(logits.reshape(b * n, v), key, sampling, policy=policy).reshape(b, n)
+        matches = drafts == target[:, :-1]
+        accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
+        return accepted, target
+    assert draft_probs is not None
+    u_key, r_key = jax.random.split(key)
+    p = jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
+    p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
+    # u < p/q, as u q < p: no division, and a draft q gave no mass is rejected.
+    u = jax.random.uniform(u_key, drafts.shape)
+    accepted = jnp.sum(jnp.cumprod(u * q_draft < p_draft, axis=1), axis=1).astype(jnp.int32)
+    # What replaces a rejected draft i: max(0, p_i - q_i); after the last draft: p.
+    residual = jnp.maximum(p[:, :-1] - draft_probs, 0.0)
+    # A rejection has probability 0 where the residual is all zero (p_i == q_i); any
+    # distribution will do there.
+    empty = jnp.sum(residual, axis=-1, keepdims=True) <= 0
+    residual = jnp.where(empty, p[:, :-1], residual)
+    weights = jnp.concatenate([residual, p[:, -1:]], axis=1)
+    replace = jax.random.categorical(r_key, jnp.log(weights), axis=-1).astype(jnp.int32)
+    tokens = jnp.concatenate([drafts, replace[:, -1:]], axis=1)
+    at = jnp.arange(n)[None]
+    tokens = jnp.where(at == accepted[:, None], replace, tokens)
+    return accepted, tokens

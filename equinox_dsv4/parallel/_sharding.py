@@ -1,0 +1,222 @@
+"""Logical-axis sharding: every weight names its axes, one rules table maps them to mesh axes.
+
+Each module declares the logical axes of its array fields (`param_axes(name)`, e.g. `Linear`'s
+`("q_lora", "embed")` for `(out, in)`); the layers of a scanned stack get a leading `"layers"`
+axis. `ShardingRules` maps logical names to mesh axis names; a logical axis whose mesh axis is
+absent from the mesh, or whose size the mesh axis does not divide, is replicated. One mesh axis
+may appear at most once in a spec.
+
+Meshes have up to four axes: `data` and `fsdp` split the batch (`fsdp` also splits the weights'
+`embed` dims, and the routed experts' `w1`/`w3` along their hidden units, gathered layer by
+layer), `tensor` splits heads, the grouped output projection, the vocabulary and hidden MLP
+units, `expert` splits the routed experts (see `_experts.expert_parallel`). Run a sharded
+model under `with jax.set_mesh(mesh):` so that the forward pass sees the mesh: activations
+are constrained to the batch axes at every block boundary.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .._typecheck import typechecked
+from ..execution import batch_axes
+from ..nn import KVCache, LayerStack
+from ..quant import QuantizedWeight
+
+
+# A model, or any module of one (e.g. a layer's `Experts`): placement is by its own axes.
+M = TypeVar("M", bound=eqx.Module)
+
+# logical axis -> mesh axis (or None). The mesh axes are conventionally "data", "fsdp",
+# "tensor" and "expert"; any of them may be missing from a given mesh.
+DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "layers": None,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "embed_out": "tensor",
+    "q_lora": None,
+    # Weights with no `embed` dim are split over fsdp along their input dim.
+    "q_lora_in": "fsdp",
+    "group_in": "fsdp",
+    "heads_x_dim": "tensor",
+    "heads": "tensor",
+    "head_dim": None,
+    "groups_x_rank": "tensor",
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    # `w1`/`w3`'s hidden units, or their `d_model` where those do not split (e.g. into whole
+    # FP8 blocks): the TPU compiler can lower a reduce-scatter along the minor dim, which
+    # `d_model` is, as an all-reduce of the whole gradient (benchmarks/archive/NOTES.md).
+    "expert_up": ("tensor", "fsdp"),
+    "expert_in": ("fsdp",),
+    "mlp": "tensor",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis name -> mesh axis name, or a tuple of them (see `spec`), or `None`
+    (replicated). Unlisted names are replicated."""
+
+    rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = tuple(DEFAULT_RULES.items())
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, str | tuple[str, ...] | None]) -> "ShardingRules":
+        return cls(tuple(mapping.items()))
+
+    def replace(self, **changes: str | tuple[str, ...] | None) -> "ShardingRules":
+        return self.of({**dict(self.rules), **changes})
+
+    def spec(
+        self,
+        axes: tuple[str | None, ...],
+        shape: tuple[int, ...],
+        mesh: Mesh,
+        blocks: tuple[int, ...] | None = None,
+    ) -> PartitionSpec:
+        """The `PartitionSpec` of an array with these logical axes and shape on `mesh`. With
+        `blocks` (a quantised weight's block size per dim), a dim is split only into whole
+        blocks: a split that would cut a block replicates that dim instead.
+
+        A rule may name several mesh axes (a tuple): the dim is split over those of them, in
+        order, that the mesh has, that no other dim of the array names on its own or took
+        for an earlier dim, and whose product keeps dividing it. E.g. `embed=("fsdp",
+        "expert")` splits a dense weight's `embed` dim over both axes, and an expert stack's
+        over `fsdp` only, its `experts` dim taking `expert`."""
+        table = dict(self.rules)
+        blocks = (1,) * len(shape) if blocks is None else blocks
+        wanted = [table.get(name) if name is not None else None for name in axes]
+        alone = {w for w in wanted if isinstance(w, str)}
+        entries: list[str | tuple[str, ...] | None] = []
+        taken: set[str] = set()  # mesh axes an earlier dim's tuple took
+        for want, size, block in zip(wanted, shape, blocks, strict=True):
+            options = (want,) if isinstance(want, str) else tuple(want or ())
+            free = [a for a in options if isinstance(want, str) or a not in alone | taken]
+            chosen: list[str] = []
+            for axis in free:
+                parts = mesh.shape.get(axis, 0) * math.prod(mesh.shape[c] for c in chosen)
+                if axis in mesh.shape and size % (parts * block) == 0:
+                    chosen.append(axis)
+                elif isinstance(want, str):
+                    break
+            if not isinstance(want, str):
+                taken.update(chosen)
+            entries.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+        used = [a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        if len(used) != len(set(used)):
+            raise ValueError(
+                f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
+            )
+        return PartitionSpec(*entries)
+
+
+@typechecked
+def shard(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
+    """Place every weight of `model` (a model, or any module of one) by the rules: moved there
+    (`jax.device_put`, wherever the arrays were committed), or inside a trace constrained
+    there (`eqx.filter_shard`)."""
+    shardings = named_shardings(model, mesh, rules)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(model)):
+        return eqx.filter_shard(model, shardings)
+    return jax.device_put(model, shardings)
+
+
+@typechecked
+def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
+    """A pytree like `cache` with the `NamedSharding` of every array: split along its batch axis
+    over the batch mesh axes (`data`, `fsdp`), like the activations."""
+    with jax.set_mesh(mesh):
+        axes = batch_axes(cache.positions.shape[0])
+
+    def sharding(path, _):
+        # Under `.layers` every array has a leading layer axis (a stack's, or a stack of one).
+        stacked = path[0] == jax.tree_util.GetAttrKey("layers")
+        return NamedSharding(mesh, PartitionSpec(*(None,) * stacked, axes))
+
+    return jax.tree_util.tree_map_with_path(sharding, cache)
+
+
+@typechecked
+def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """Place a decoding cache on `mesh` (see `cache_shardings`)."""
+    return jax.tree.map(jax.device_put, cache, cache_shardings(cache, mesh))
+
+
+@typechecked
+def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
+    """`{keystr(path): logical axes}` for every array leaf of `model` (or of any submodule)."""
+    out: dict[str, tuple[str | None, ...]] = {}
+
+    def visit(node, path, lead):
+        if isinstance(node, LayerStack):
+            visit(node.blocks, path + ".blocks", lead + ("layers",))
+        elif isinstance(node, tuple | list):
+            for i, child in enumerate(node):
+                visit(child, f"{path}[{i}]", lead)
+        elif isinstance(node, eqx.Module):
+            for field in dataclasses.fields(node):
+                if field.metadata.get("static", False):
+                    continue
+                value = getattr(node, field.name)
+                child = f"{path}.{field.name}"
+                if eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct):
+                    out[child] = lead + tuple(node.param_axes(field.name))
+                elif isinstance(value, QuantizedWeight):  # scales go with their weight
+                    axes = lead + tuple(node.param_axes(field.name))
+                    out[child + ".values"] = out[child + ".scale"] = axes
+                elif value is not None:
+                    visit(value, child, lead)
+
+    visit(model, "", ())
+    return out
+
+
+@typechecked
+def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
+    """A pytree like `model` with the `PartitionSpec` of every array leaf."""
+    rules = ShardingRules() if rules is None else rules
+    axes = logical_axes(model)
+
+    def spec(path, leaf):
+        key = jax.tree_util.keystr(path)
+        if not isinstance(leaf, QuantizedWeight):
+            return rules.spec(axes[key], leaf.shape, mesh)
+        # Values and scales split alike, into whole blocks, so each device dequantises its own.
+        blocks = (1,) * (leaf.ndim - 2) + leaf.split_block
+        one = rules.spec(axes[key + ".values"], leaf.shape, mesh, blocks)
+        return jax.tree.map(lambda _: one, leaf)
+
+    return jax.tree_util.tree_map_with_path(
+        spec, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
+
+
+@typechecked
+def named_shardings(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
+    """A pytree like `model` with the `NamedSharding` of every array leaf."""
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        partition_specs(model, mesh, rules),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+@typechecked
+def committed(tree: Any) -> Any:
+    """`tree` with every array committed to the device(s) it lives on (no copy). jit compiles
+    a program for committed arguments apart from one for uncommitted ones: a model built here
+    and one loaded from disk (committed) would otherwise cost two compiles of the same step."""
+
+    def commit(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        if x.is_deleted() or x.committed:
+            return x
+        return jax.device_put(x, x.sharding)
+
+    return jax.tree.map(commit, tree)
