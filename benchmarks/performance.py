@@ -820,6 +820,24 @@ def _tpu_memory(data: dict) -> str:
     return markdown(header, lines)
 
 
+def _tpu_experts(data: dict) -> str:
+    lines = []
+    for r in data["rows"]:
+        lines.append(
+            [
+                r["kernel"],
+                f"{r['phase']}, {r['tokens_per_sequence']} tokens",
+                f"{r['argument_bytes'] / GIB:.2f} GiB",
+                f"{r['temp_bytes'] / GIB:.3f} GiB",
+                f"{r['flops']:.3g}",
+                f"{r['bytes_accessed'] / GIB:.1f} GiB",
+            ]
+        )
+    header = ["experts", "phase", "arguments / chip", "temporaries / chip"]
+    header += ["FLOPs (XLA, loop bodies once)", "bytes (XLA, loop bodies once)"]
+    return markdown(header, lines)
+
+
 def _tpu_roofline(data: dict) -> str:
     out, lines, parts = [], [], []
     for r in data["rows"]:
@@ -1063,6 +1081,15 @@ SECTIONS: dict[str, Section] = {
         "tpu_memory.py",
         "V4-Flash and V4-Pro compiled for v5p slices on the recommended rules.",
         _tpu_memory,
+        _TPU,
+    ),
+    "tpu_experts": Section(
+        "TPU routed-experts kernels",
+        "tpu_experts.py",
+        "V4-Flash's bf16 prefill and decode on v5p:4x4x4 (fsdp 8 x expert 8) with the routed "
+        "experts' loop against `ragged_dot`; XLA's cost analysis counts a loop's body once, so "
+        "only the memory columns compare.",
+        _tpu_experts,
         _TPU,
     ),
     "tpu_roofline": Section(

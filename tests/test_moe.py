@@ -282,18 +282,22 @@ def _avals(jaxpr):
                     yield from _avals(sub)
 
 
-@pytest.mark.parametrize("platform", ["tpu", "cpu"])
-def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16(platform):
-    # Each assignment's output row (the expert loop's output) and their read-back per token are
-    # a prefill MoE's largest buffers (V4-Flash on a TPU: benchmarks/archive/NOTES.md): in the
-    # activation dtype, summed over top-k in float32. XLA:CPU converted a bf16 buffer whole
-    # around each block's update of it, so under its policy the loop holds float32 (the
-    # values still rounded to bf16: `test_bf16_dispatch_is_the_same_under_both_policies`).
-    experts, inter, dim, tokens, top_k = 16, 32, 64, 64, 4
+@pytest.mark.parametrize("platform,experts", [("tpu", "loop"), ("tpu", "ragged"), ("cpu", "loop")])
+def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16(platform, experts):
+    # Each assignment's output row (the expert loop's output, or the ragged products') and
+    # their read-back per token are a prefill MoE's largest buffers (V4-Flash on a TPU:
+    # benchmarks/archive/NOTES.md): in the activation dtype, summed over top-k in float32.
+    # XLA:CPU converted a bf16 buffer whole around each block's update of it, so under its
+    # policy the loop holds float32 (the values still rounded to bf16:
+    # `test_bf16_dispatch_is_the_same_under_both_policies`). A TPU runs the loop for quantised
+    # experts, `ragged_dot` (no padded rows) for dense ones.
+    experts_, inter, dim, tokens, top_k = 16, 32, 64, 64, 4
     policy = ed.execution.Policy.for_platform(platform)
+    assert policy.experts == ("loop" if platform == "cpu" else "ragged")
+    policy = dataclasses.replace(policy, experts=experts)
     held = jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
 
-    f, args = _bf16_dispatch(experts, inter, dim, tokens, top_k, policy)
+    f, args = _bf16_dispatch(experts_, inter, dim, tokens, top_k, policy)
     closed = jax.make_jaxpr(f)(*args)
     assert closed.out_avals[0].dtype == jnp.float32
     values = [
@@ -304,8 +308,14 @@ def test_bf16_prefill_dispatch_keeps_its_rows_in_bf16(platform):
     # The read-back (one row per assignment) and the loop's rows (padded per expert: more).
     read_back = [a.dtype for a in values if a.shape[0] == tokens * top_k]
     loop = {a.dtype for a in values if a.shape[0] > tokens * top_k}
-    assert read_back and all(d == jnp.bfloat16 for d in read_back), read_back
-    assert held in loop and loop <= {held, jnp.dtype(jnp.bfloat16)}, loop
+    if experts == "ragged":
+        # The w2 product's float32 result, rounded to bf16 as it leaves the product (one
+        # fusion on a TPU), then the bf16 rows read back per token; no padded buffer.
+        assert read_back.count(jnp.dtype(jnp.float32)) == 1, read_back
+        assert read_back[-1] == jnp.bfloat16 and not loop, (read_back, loop)
+    else:
+        assert read_back and all(d == jnp.bfloat16 for d in read_back), read_back
+        assert held in loop and loop <= {held, jnp.dtype(jnp.bfloat16)}, loop
 
 
 def test_bf16_dispatch_is_the_same_under_both_policies():
@@ -328,6 +338,7 @@ def test_bf16_dispatch_is_the_same_under_both_policies():
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True), static_argnums=5)
     policies = [ed.execution.Policy.for_platform(p) for p in ("tpu", "cpu")]
+    policies[0] = dataclasses.replace(policies[0], experts="loop")  # the loop, bf16 buffer
     outs = [grad(x, weights, w1, w2, w3, policy) for policy in policies]
     for a, b in zip(*(jax.tree.leaves(o) for o in outs), strict=True):
         assert a.dtype == b.dtype and np.isfinite(np.asarray(a, np.float32)).all()

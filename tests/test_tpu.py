@@ -80,7 +80,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
     assert (
         ed.execution.Policy.for_arrays(_model(tpu_mesh))
         == ed.execution.Policy.for_platform("tpu")
-        == ed.execution.Policy("tpu")
+        == ed.execution.Policy("tpu", experts="ragged")
     )
     assert (
         ed.execution.Policy.for_arrays(bf16).widen_16bit

@@ -121,10 +121,18 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
     xs = x[order // top_k]
     ws = weights.reshape(-1)[order]
     c = wider_dtype(x, w1)
+    # 16-bit operands' products are exact in the float32 accumulator at any precision; a
+    # `HIGHEST` default would ask TPU's ragged-dot kernel for a float32 contraction it refuses.
+    precision = jax.lax.Precision.DEFAULT if jnp.dtype(c).itemsize < 4 else None
 
     def product(a, w):
         return jax.lax.ragged_dot_general(
-            a.astype(c), w.astype(c), counts, _RAGGED, preferred_element_type=jnp.float32
+            a.astype(c),
+            w.astype(c),
+            counts,
+            _RAGGED,
+            precision=precision,
+            preferred_element_type=jnp.float32,
         )
 
     g, u = product(xs, w1), product(xs, w3)

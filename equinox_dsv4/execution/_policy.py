@@ -51,8 +51,9 @@ class Policy:
       then an argmax inside the winning block (XLA:CPU's argmax is a scalar reduction).
     - `experts`: the routed experts' form for many assignments (a prefill, a train step):
       `"loop"`, a loop over experts on rows sorted by expert with its gradient written out
-      (`expert_mlps`), or `"ragged"`, `jax.lax.ragged_dot` on the same sorted rows (dense
-      weights; quantised ones take the loop, which dequantises one expert at a time).
+      (`expert_mlps`; XLA:CPU's), or `"ragged"`, `jax.lax.ragged_dot` on the same sorted rows
+      (every other platform's; dense weights only: quantised ones take the loop, which
+      dequantises one expert at a time).
     - `gather_experts`: decoding's routed experts gather the chosen experts' weights and batch
       the products, instead of a loop over assignments. Set by the layer loop for a scanned
       stack, whose expert weights are slices (values, which a loop would copy whole), not by
@@ -83,9 +84,11 @@ class Policy:
 
     @classmethod
     def for_platform(cls, platform: str) -> "Policy":
-        """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...)."""
+        """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...): the
+        plain forms and `ragged_dot` for the routed experts, except on XLA:CPU, whose forms are
+        its own and whose experts run the loop (`ragged_dot` measured far slower there)."""
         if platform != "cpu":
-            return cls(platform)
+            return cls(platform, experts="ragged")
         return cls(
             platform,
             widen_16bit=True,
