@@ -21,6 +21,9 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # One persistent compilation cache per test session, made by the first process (pytest's, or
 # xdist's controller) and inherited by the workers and by the subprocesses the tests start
 # (examples, README): a program they compile alike is compiled once.
+# Every program into it, not only those that took a second to compile: the workers and the
+# subprocesses compile many of the same small ones.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="equinox_dsv4-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
@@ -29,6 +32,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Parity tests compare float32 against torch float32: no reduced-precision matmul passes.

@@ -13,8 +13,9 @@ import subprocess
 import sys
 import time
 
+from helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 WORKER = pathlib.Path(__file__).resolve().parent / "multihost_worker.py"
 
 

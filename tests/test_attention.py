@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import COMPONENT
 from hf_reference import (
     abstract,
     hf_config,
@@ -23,9 +24,6 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
 from equinox_dsv4.nn import attend
-
-
-TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def reference_attention(config, layer, seed):
@@ -59,7 +57,7 @@ def test_attention_matches_reference(getkey, layer, seq):
     )
     x = jax.random.normal(getkey(), (2, seq, config.hidden_size))
     expected = run_reference(reference, rotary, x, config.sliding_window)
-    np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **TOL)
+    np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **COMPONENT)
 
 
 def test_attention_window_longer_than_sequence(getkey):
@@ -73,7 +71,7 @@ def test_attention_window_longer_than_sequence(getkey):
     )
     x = jax.random.normal(getkey(), (1, 40, config.hidden_size))
     np.testing.assert_allclose(
-        eqx.filter_jit(ours)(x), run_reference(reference, rotary, x, 64), **TOL
+        eqx.filter_jit(ours)(x), run_reference(reference, rotary, x, 64), **COMPONENT
     )
 
 

@@ -5,6 +5,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+from helpers import COMPONENT
 from hf_reference import (
     abstract,
     hf_config,
@@ -48,4 +49,4 @@ def test_block_matches_reference(getkey, layer, hc_mult):
             attention_mask=window_mask(s, config.sliding_window, b),
         )
     out = eqx.filter_jit(ours)(x, ids)
-    np.testing.assert_allclose(out, to_numpy(expected), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, to_numpy(expected), **COMPONENT)

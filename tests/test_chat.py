@@ -9,17 +9,14 @@ import copy
 import importlib
 import io
 import json
-import os
-import pathlib
-import subprocess
 import sys
 
 import pytest
+from helpers import ROOT, run_python
 
 import equinox_dsv4 as ed
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 CASES = json.loads((ROOT / "tests" / "data" / "release_chat" / "cases.json").read_text("utf-8"))
 
 
@@ -314,14 +311,10 @@ def test_chat_example_through_stdin():
     the printed prompt holds both turns in the release's format. The first prompt, the sampling
     and the cache length are test_generate's example run's, whose compiled programs this run
     then finds in the session's compilation cache."""
-    result = subprocess.run(
-        [sys.executable, "examples/chat.py", "--max-new-tokens", "5", "--temperature", "0.7"]
-        + ["--max-len", "64"],
+    result = run_python(
+        "examples/chat.py",
+        *("--max-new-tokens", "5", "--temperature", "0.7", "--max-len", "64"),
         input="What is the capital of France?\n/think\nAnd of Spain?\n/prompt\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import COMPONENT
 from hf_reference import (
     abstract,
     hf_config,
@@ -21,7 +22,6 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 import equinox_dsv4 as ed
 
 
-TOL = dict(atol=1e-5, rtol=1e-5)
 # 3: shorter than one block; 13, 37: not multiples of the ratios; 37 with index_topk 3 leaves
 # more visible CSA blocks than the indexer keeps.
 LENGTHS = [3, 13, 37]
@@ -49,7 +49,7 @@ def test_hca_compressor_matches_reference(getkey, seq):
     expected, _ = reference(to_torch(x), to_torch(qr), positions, None, 3)
     entries = eqx.filter_jit(ours)(x)
     assert entries.shape == (2, seq // 8, config.head_dim)
-    np.testing.assert_allclose(entries, to_numpy(expected[:, 0]), **TOL)
+    np.testing.assert_allclose(entries, to_numpy(expected[:, 0]), **COMPONENT)
 
 
 @pytest.mark.parametrize("seq", LENGTHS + [4, 16])
@@ -67,7 +67,7 @@ def test_csa_compressor_matches_reference(getkey, seq):
     expected, _ = reference(to_torch(x), to_torch(qr), positions, None, 2)
     entries = eqx.filter_jit(ours)(x)
     assert entries.shape == (2, seq // 4, config.head_dim)
-    np.testing.assert_allclose(entries, to_numpy(expected[:, 0]), **TOL)
+    np.testing.assert_allclose(entries, to_numpy(expected[:, 0]), **COMPONENT)
 
 
 def test_csa_first_window_has_no_predecessor(getkey):
@@ -133,7 +133,7 @@ def test_indexer_matches_reference(getkey, seq):
     keys = ours.compressor(x)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))
     scores = eqx.filter_jit(ours.scores)(x, qr, keys, pos)
-    np.testing.assert_allclose(scores, ref_scores, **TOL)
+    np.testing.assert_allclose(scores, ref_scores, **COMPONENT)
     assert_same_selection(picked, to_numpy(expected), ref_scores)
     # Sentinels exactly where a query sees fewer than k blocks.
     visible = (np.arange(seq) + 1) // 4
@@ -155,7 +155,7 @@ def test_indexer_scores_of_a_few_queries(getkey, queries):
     last = slice(seq - queries, seq)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))[:, last]
     scores = eqx.filter_jit(ours.scores)(x[:, last], qr[:, last], keys, pos)
-    np.testing.assert_allclose(scores, ref_scores[:, last], **TOL)
+    np.testing.assert_allclose(scores, ref_scores[:, last], **COMPONENT)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -5,8 +5,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import warnings
 
 import equinox as eqx
@@ -17,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import COMPONENT, LOGITS, run_python
 from hf_reference import C, H, S, reference_logits, reference_model, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 from release_layout import hf_state_from_canonical, write_release_checkpoint
@@ -26,7 +25,6 @@ import equinox_dsv4 as ed
 from convert.reader import write_safetensors
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 # hca ratio 128 (transformers reads only 0 / 4 / 128 in a release config's compress_ratios);
 # the release's 20 Sinkhorn iterations.
 CONFIG = tiny_config(layer_types=(S, S, C, H, C), compress_rate_hca=128, hc_sinkhorn_iters=20)
@@ -142,9 +140,7 @@ def test_transformers_saved_checkpoint(hf_saved, reference):
     assert (hf_saved / "model.safetensors.index.json").is_file()
     model = load_saved(hf_saved)  # default arguments
     assert not model.mtp and model.config.num_nextn_predict_layers == 0
-    np.testing.assert_allclose(
-        logits(model), reference_logits(reference, IDS), atol=1e-4, rtol=1e-4
-    )
+    np.testing.assert_allclose(logits(model), reference_logits(reference, IDS), **LOGITS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # asked for no MTP: nothing to warn about
         assert not convert.load_hf(hf_saved, load_mtp=False).mtp
@@ -163,9 +159,7 @@ def test_transformers_saved_checkpoint_cli(hf_saved, reference, tmp_path):
     assert len(warning) == 1 and warning[0].startswith("warning: the MTP block is absent")
     model = ed.load(out)
     assert not model.mtp
-    np.testing.assert_allclose(
-        logits(model), reference_logits(reference, IDS), atol=1e-4, rtol=1e-4
-    )
+    np.testing.assert_allclose(logits(model), reference_logits(reference, IDS), **LOGITS)
 
 
 def test_release_layout_without_its_mtp_is_an_error(release, tmp_path):
@@ -196,7 +190,7 @@ def test_release_layout(release, release_reference_logits):
     path, expected = release
     assert len(list(path.glob("*.safetensors"))) == 3
     model = convert.load_hf(path, numerics="exact")  # transformers' numerics
-    np.testing.assert_allclose(logits(model), release_reference_logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits(model), release_reference_logits, **LOGITS)
     # The MTP weights land in the MTP block, dequantised.
     np.testing.assert_array_equal(model.mtp[0].e_proj.weight, expected["mtp.0.e_proj.weight"])
     np.testing.assert_array_equal(
@@ -213,9 +207,7 @@ def test_transformers_reads_the_release_fixture_the_same(release, release_refere
         quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
         dtype=torch.float32,
     ).eval()
-    np.testing.assert_allclose(
-        reference_logits(model, IDS), release_reference_logits, atol=1e-4, rtol=1e-4
-    )
+    np.testing.assert_allclose(reference_logits(model, IDS), release_reference_logits, **LOGITS)
 
 
 def test_sharded_load_on_eight_devices(release):
@@ -233,7 +225,7 @@ def test_sharded_load_on_eight_devices(release):
     assert w1.sharding.spec == P(None, "expert", "fsdp", None)  # [1, experts, inter, d_model]
     assert w1.addressable_shards[0].data.shape == (1, 2, 8, 32)
     single = convert.load_hf(path, numerics="exact")
-    np.testing.assert_allclose(logits(sharded), logits(single), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits(sharded), logits(single), **COMPONENT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,14 +278,7 @@ def test_cli(release, tmp_path):
 
 
 def _cli(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-m", "convert", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_python("-m", "convert", *args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import LOGITS
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
@@ -63,11 +64,11 @@ def test_prefill_then_decode_equals_full_forward(setups, name):
     for k in PREFILLS[name]:
         cache = model.init_cache(2, LENGTH)
         logits, cache = decode(model, ids[:, :k], cache)
-        np.testing.assert_allclose(logits, full[:, :k], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits, full[:, :k], **LOGITS)
         for t in range(k, LENGTH):
             logits, cache = decode(model, ids[:, t : t + 1], cache)
             np.testing.assert_allclose(
-                logits[:, 0], full[:, t], atol=1e-4, rtol=1e-4, err_msg=f"prefill {k}, step {t}"
+                logits[:, 0], full[:, t], **LOGITS, err_msg=f"prefill {k}, step {t}"
             )
         np.testing.assert_array_equal(cache.positions, [LENGTH, LENGTH])
 
@@ -77,7 +78,7 @@ def test_prefill_in_chunks_equals_one_prefill(setups):
     cache = model.init_cache(2, LENGTH)
     for a, b in [(0, 5), (5, 13), (13, 30), (30, 31), (31, LENGTH)]:
         logits, cache = decode(model, ids[:, a:b], cache)
-        np.testing.assert_allclose(logits, full[:, a:b], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits, full[:, a:b], **LOGITS)
     one = decode(model, ids, model.init_cache(2, LENGTH))[1]
     # Other chunkings are other programs, whose float32 sums round differently.
     for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(one), strict=True):
@@ -94,14 +95,14 @@ def test_sequences_keep_their_own_positions(setups):
     logits, cache = decode(
         model, jnp.asarray(padded), model.init_cache(2, LENGTH), jnp.asarray(lengths, jnp.int32)
     )
-    np.testing.assert_allclose(logits[0, :13], full[0, :13], atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(logits[1], full[1, :30], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[0, :13], full[0, :13], **LOGITS)
+    np.testing.assert_allclose(logits[1], full[1, :30], **LOGITS)
     np.testing.assert_array_equal(cache.positions, lengths)
     for step in range(10):
         nxt = jnp.asarray([[ids[0, 13 + step]], [ids[1, 30 + step]]], jnp.int32)
         logits, cache = decode(model, nxt, cache)
-        np.testing.assert_allclose(logits[0, 0], full[0, 13 + step], atol=1e-4, rtol=1e-4)
-        np.testing.assert_allclose(logits[1, 0], full[1, 30 + step], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(logits[0, 0], full[0, 13 + step], **LOGITS)
+        np.testing.assert_allclose(logits[1, 0], full[1, 30 + step], **LOGITS)
     # A row with nothing to add keeps its state.
     logits, after = decode(model, nxt, cache, jnp.asarray([0, 1], jnp.int32))
     np.testing.assert_array_equal(after.positions, cache.positions + np.array([0, 1]))
@@ -191,8 +192,8 @@ def test_last_only_logits(setups):
     lengths = jnp.asarray([7, 30], jnp.int32)
     logits, _ = decode_last(model, ids[:, :30], model.init_cache(2, LENGTH), lengths)
     assert logits.shape == (2, 1, model.config.vocab_size)
-    np.testing.assert_allclose(logits[0, 0], full[0, 6], atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(logits[1, 0], full[1, 29], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[0, 0], full[0, 6], **LOGITS)
+    np.testing.assert_allclose(logits[1, 0], full[1, 29], **LOGITS)
 
 
 @eqx.filter_jit

@@ -1,22 +1,17 @@
 """Generation: greedy decoding against transformers run as a repeated full forward, batched
 prompts, sampling, stop tokens, the chat format, and the example script."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import run_python
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 # index_n_heads 8: with few heads many ReLU index scores tie at exactly 0, and transformers and
 # we may break such ties differently.
 # Five layers: a sliding hash-routed layer, then a scanned (CSA, HCA) period.
@@ -177,14 +172,7 @@ def test_chat_format_and_tokenizer():
 
 
 def _example(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "examples/generate.py", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_python("examples/generate.py", *args)
 
 
 # The two runs below compile the same programs (the same weights' shapes, sampling and cache

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import COMPONENT
 from hf_reference import (
     abstract,
     fill_paths,
@@ -23,9 +24,6 @@ import equinox_dsv4 as ed
 from equinox_dsv4.nn import sinkhorn
 
 
-TOL = dict(atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("hc_mult", [2, 4])
 def test_hyper_connection_matches_reference(getkey, hc_mult):
     config = tiny_config(hc_mult=hc_mult, hc_sinkhorn_iters=20)
@@ -36,16 +34,16 @@ def test_hyper_connection_matches_reference(getkey, hc_mult):
     x = jax.random.normal(getkey(), (2, 7, hc_mult, config.hidden_size))
     post, comb, collapsed = reference(to_torch(x))
     u, our_post, our_comb = eqx.filter_jit(ours)(x)
-    np.testing.assert_allclose(u, to_numpy(collapsed), **TOL)
-    np.testing.assert_allclose(our_post, to_numpy(post), **TOL)
-    np.testing.assert_allclose(our_comb, to_numpy(comb), **TOL)
+    np.testing.assert_allclose(u, to_numpy(collapsed), **COMPONENT)
+    np.testing.assert_allclose(our_post, to_numpy(post), **COMPONENT)
+    np.testing.assert_allclose(our_comb, to_numpy(comb), **COMPONENT)
 
     # The residual update of transformers' decoder layer: post * y + comb^T @ X.
     y = jax.random.normal(getkey(), (2, 7, config.hidden_size))
     expected = post.unsqueeze(-1) * to_torch(y).unsqueeze(-2) + torch.matmul(
         comb.transpose(-1, -2), to_torch(x)
     )
-    np.testing.assert_allclose(ours.mix(y, x, our_post, our_comb), to_numpy(expected), **TOL)
+    np.testing.assert_allclose(ours.mix(y, x, our_post, our_comb), to_numpy(expected), **COMPONENT)
 
 
 def test_mix_uses_the_transpose():
@@ -84,7 +82,8 @@ def test_hyper_head_matches_reference(getkey, hc_mult):
     }
     ours = fill_paths(abstract(ed.nn.HyperHead, config), values)
     x = jax.random.normal(getkey(), (2, 5, hc_mult, config.hidden_size))
-    np.testing.assert_allclose(eqx.filter_jit(ours)(x), to_numpy(reference(to_torch(x))), **TOL)
+    expected = to_numpy(reference(to_torch(x)))
+    np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **COMPONENT)
 
 
 def test_hyper_connection_bf16(getkey):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import COMPONENT
 from hf_reference import fill_paths, hf_config, randomize, tiny_config, to_numpy, to_torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
@@ -16,15 +17,12 @@ from equinox_dsv4.execution import linear, map_chunks, set_rows, zeros_after
 from equinox_dsv4.nn import inverse_frequencies, rms_normalize
 
 
-TOL = dict(atol=1e-5, rtol=1e-5)
-
-
 def test_rmsnorm_matches_reference(getkey):
     x = jax.random.normal(getkey(), (2, 5, 32))
     reference = randomize(hf.DeepseekV4RMSNorm(32, eps=1e-6), seed=1)
     ours = fill_paths(ed.nn.RMSNorm(32, 1e-6), {".weight": to_numpy(reference.weight)})
     expected = to_numpy(reference(to_torch(x)))
-    np.testing.assert_allclose(ours(x), expected, **TOL)
+    np.testing.assert_allclose(ours(x), expected, **COMPONENT)
 
 
 def test_rmsnorm_bf16_keeps_float32_weight_and_casts_back(getkey):
@@ -40,7 +38,7 @@ def test_rmsnorm_bf16_keeps_float32_weight_and_casts_back(getkey):
 def test_unweighted_norm_matches_reference(getkey):
     x = jax.random.normal(getkey(), (2, 3, 4, 32)) * 3
     expected = to_numpy(hf.DeepseekV4UnweightedRMSNorm(eps=1e-6)(to_torch(x)))
-    np.testing.assert_allclose(rms_normalize(x, 1e-6), expected, **TOL)
+    np.testing.assert_allclose(rms_normalize(x, 1e-6), expected, **COMPONENT)
 
 
 def test_yarn_released_correction_range():
@@ -84,7 +82,7 @@ def test_rope_rotation_matches_reference(getkey, label, inverse):
     expected = hf.apply_rotary_pos_emb(ref_in, cos, -sin if inverse else sin).transpose(1, 2)
     rope = ed.nn.RoPE.for_layer(config, compressed=label == "compress")
     ours = rope(x, positions, inverse=inverse)
-    np.testing.assert_allclose(ours, to_numpy(expected), **TOL)
+    np.testing.assert_allclose(ours, to_numpy(expected), **COMPONENT)
     # Only the trailing qk_rope_head_dim channels move.
     np.testing.assert_array_equal(
         ours[..., : -config.qk_rope_head_dim], x[..., : -config.qk_rope_head_dim]

@@ -7,15 +7,13 @@ import ast
 import inspect
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from helpers import ROOT, run_python
 
 import equinox_dsv4 as ed
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 PACKAGE = ROOT / "equinox_dsv4"
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
 NAMESPACES = [name for name in ed.__all__ if inspect.ismodule(getattr(ed, name))]
@@ -212,14 +210,8 @@ print("--- refused")
 
 
 def test_public_entry_points_refuse_wrong_types_without_the_test_hook():
-    result = subprocess.run(
-        [sys.executable, "-c", WRONG_TYPES],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        timeout=300,
-    )
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    result = run_python("-c", WRONG_TYPES, env=env, timeout=300)
     assert result.returncode == 0 and "--- refused" in result.stdout, result.stderr[-3000:]
     # Each names what it refused.
     assert "thinking" in result.stdout and "temperature" in result.stdout

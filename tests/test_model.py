@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import COMPONENT, LOGITS, SAME
 from hf_reference import (
     C,
     H,
@@ -101,7 +102,7 @@ def test_logits_match_reference(models, name, batch, seq):
     expected = reference_logits(reference, ids)
     logits = eqx.filter_jit(ours)(jnp.asarray(ids, jnp.int32))
     assert logits.dtype == jnp.float32 and logits.shape == (batch, seq, ours.config.vocab_size)
-    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits, expected, **LOGITS)
 
 
 def test_plans_of_the_test_configs():
@@ -125,7 +126,7 @@ def test_scan_and_unrolled_give_identical_logits(models):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 30)), jnp.int32)
     a = eqx.filter_jit(scanned)(ids)
     b = eqx.filter_jit(unrolled)(ids)
-    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(a, b, **SAME)
 
 
 def test_unrolled_stack_gradient_equals_the_scanned_one():
@@ -323,7 +324,7 @@ def test_mtp_matches_reference_composition(getkey):
             attention_mask=window_mask(s, config.sliding_window, b),
         )
         expected = ref["head"](ref["norm"](ref["hc_head"](x)))
-    np.testing.assert_allclose(out, to_numpy(expected), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, to_numpy(expected), **COMPONENT)
 
 
 def test_bfloat16_model_runs():
@@ -424,7 +425,7 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan():
     assert cpu.carry_stacks
     carried = _chunk_then_steps(model, ids, cpu)
     swept = _chunk_then_steps(model, ids, dataclasses.replace(cpu, carry_stacks=False))
-    np.testing.assert_allclose(carried, swept, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(carried, swept, **SAME)
 
 
 def _chunk_then_steps(model, ids, policy):
@@ -464,7 +465,7 @@ def test_every_policy_computes_the_same_model():
     assert cpu.late_slices and not any(
         getattr(generic, f.name) is True for f in dataclasses.fields(generic)
     )
-    tol = dict(atol=1e-5, rtol=1e-5)
+    tol = COMPONENT
     with_policy = ed.execution.with_policy
     np.testing.assert_allclose(
         with_policy(model, cpu)(ids), with_policy(model, generic)(ids), **tol

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import COMPONENT
 from hf_reference import C, H, S, our_model, reference_model, tiny_config
 from release_numerics import (
     SCORES,
@@ -127,10 +128,10 @@ def test_release_decode_equals_its_forward(models):
     step = eqx.filter_jit(lambda m, i, c: m.decode(i, c))
     cache = ours.init_cache(2, 64)
     logits, cache = step(ours, ids[:, :29], cache)
-    np.testing.assert_allclose(logits, full[:, :29], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits, full[:, :29], **COMPONENT)
     for t in range(29, 33):
         logits, cache = step(ours, ids[:, t : t + 1], cache)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], **COMPONENT)
 
 
 def test_numerics_is_a_validated_config_field():

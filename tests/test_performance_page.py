@@ -6,11 +6,10 @@ import importlib.util
 import json
 import pathlib
 import re
-import subprocess
-import sys
+
+from helpers import ROOT, run_python
 
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "performance.py"
 PAGE = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -24,8 +23,7 @@ def _generator():
 
 
 def _generate(out: pathlib.Path, results: pathlib.Path = RESULTS) -> None:
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--results", str(results)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = run_python(SCRIPT, "--out", out, "--results", results, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -87,9 +85,9 @@ def test_targets_without_result_files_say_so(tmp_path):
 def test_check_reports_a_stale_page(tmp_path):
     stale = tmp_path / "performance.md"
     stale.write_text(PAGE.read_text().replace("## Targets", "## Targets (edited)", 1))
-    command = [sys.executable, str(SCRIPT), "--check", "--out", str(stale)]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    command = (SCRIPT, "--check", "--out", stale)
+    done = run_python(*command, timeout=120)
     assert done.returncode == 1 and "differs" in done.stdout, done.stdout + done.stderr
     stale.write_bytes(PAGE.read_bytes())
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = run_python(*command, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

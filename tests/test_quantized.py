@@ -3,17 +3,13 @@ writer's independent numpy code, a release-layout checkpoint loaded with `quanti
 against the same checkpoint dequantised on load, resident bytes, saving and the CLI, sharding,
 decoding, fine-tuning with the quantised weights frozen, and bad input."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import COMPONENT, run_python, succeeded
 from hf_reference import C, H, S, reference_model, tiny_config
 from release_layout import (
     dequantize_fp4,
@@ -29,7 +25,6 @@ from convert.reader import list_tensors
 from equinox_dsv4.quant import quantize
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 # FP8 in 32 x 32 blocks, so that the toy's 64-wide projections hold several blocks each.
 BLOCK = 32
 CONFIG = tiny_config(
@@ -152,9 +147,7 @@ def test_release_loaded_quantized(release, models):
     for ours, dense in zip(held, jax.tree.leaves(dequantised), strict=True):
         ours = ours.dequantize() if is_quantized(ours) else ours
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(dense))
-    np.testing.assert_allclose(
-        forward(quantized, IDS), forward(dequantised, IDS), atol=1e-5, rtol=1e-5
-    )
+    np.testing.assert_allclose(forward(quantized, IDS), forward(dequantised, IDS), **COMPONENT)
 
 
 def test_resident_bytes_are_the_release_bytes(release, models):
@@ -182,27 +175,18 @@ def test_decode_of_the_quantized_model_equals_its_forward(models):
     step = eqx.filter_jit(lambda m, ids, cache: m.decode(ids, cache))
     cache = quantized.init_cache(2, 64)
     logits, cache = step(quantized, IDS[:, :30], cache)
-    np.testing.assert_allclose(logits, full[:, :30], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits, full[:, :30], **COMPONENT)
     for t in range(30, 33):  # one-token steps: the experts' per-assignment path
         logits, cache = step(quantized, IDS[:, t : t + 1], cache)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], **COMPONENT)
 
 
 def test_convert_quantized_then_load(release, models, tmp_path):
     quantized, _ = models
     out = tmp_path / "converted"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    args = [sys.executable, "-m", "convert", release, out, "--quantized", "--dtype", "float32"]
-    args += ["--numerics", "exact"]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
-    assert result.returncode == 0, result.stderr
-    help_text = subprocess.run(
-        [sys.executable, "-m", "convert", "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    ).stdout
+    args = ["-m", "convert", release, out, "--quantized", "--dtype", "float32"]
+    succeeded(run_python(*args, "--numerics", "exact"))
+    help_text = succeeded(run_python("-m", "convert", "--help")).stdout
     assert "--quantized" in help_text
 
     def same(a, b):
@@ -242,7 +226,7 @@ def test_sharded_quantized_load_splits_whole_blocks(release, models):
     assert w2.values.sharding.spec[1] == "expert" and w2.values.sharding.spec[3] == "tensor"
     with jax.set_mesh(mesh):
         logits = forward(sharded, IDS)
-    np.testing.assert_allclose(logits, forward(quantized, IDS), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(logits, forward(quantized, IDS), **COMPONENT)
 
 
 def test_fine_tuning_keeps_the_quantized_weights_frozen(getkey):
@@ -286,5 +270,5 @@ def test_fp8_routed_experts_when_the_config_says_so(getkey):
     assert jax.tree.structure(model) == jax.tree.structure(abstract)
     ids = IDS[:, :12] % config.vocab_size
     np.testing.assert_allclose(
-        forward(model, ids), forward(ed.quant.dequantize_model(model), ids), atol=1e-5, rtol=1e-5
+        forward(model, ids), forward(ed.quant.dequantize_model(model), ids), **COMPONENT
     )

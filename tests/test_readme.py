@@ -3,22 +3,20 @@ fresh process (as a notebook would run them), the decode snippet's loop called e
 examples' `--hf` on a checkpoint written by transformers' `save_pretrained`."""
 
 import json
-import os
 import pathlib
 import re
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import transformers
+from helpers import ROOT, SAME, run_python, succeeded
 from hf_reference import hf_config, randomize
 
 import equinox_dsv4 as ed
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
 # The directory name the README's loading block reads.
 HF_DIR = "DeepSeek-V4-Flash"
@@ -26,19 +24,6 @@ HF_DIR = "DeepSeek-V4-Flash"
 
 def python_blocks(text: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
-
-
-def _run(code: str, cwd: pathlib.Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    # conftest's XLA_FLAGS: eight CPU devices (and the compilation cache's key).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +54,7 @@ def test_readme_blocks_run_as_written(hf_tiny):
         for i, block in enumerate(blocks)
     )
     code = f"import time\nstart = time.perf_counter()\n{code}\nprint('--- done', flush=True)\n"
-    result = _run(code, hf_tiny)
+    result = run_python("-c", code, cwd=hf_tiny)
     print(result.stdout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "--- done" in result.stdout
@@ -129,20 +114,12 @@ EAGER = textwrap.dedent(
 
 def test_eager_decode_loop(tmp_path):
     steps = 100  # past the ring (16) and six HCA blocks (16 tokens each)
-    result = subprocess.run(
-        [sys.executable, "-c", EAGER, str(steps)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
+    succeeded(run_python("-c", EAGER, steps, cwd=tmp_path))
     out = np.load(tmp_path / "out.npz")
     assert out["eager_tokens"].shape == (steps, 2)
     np.testing.assert_array_equal(out["eager_tokens"], out["jitted_tokens"])
     # Each step's logits (the first 256 of the vocabulary and the sum over all of it).
-    np.testing.assert_allclose(out["eager_heads"], out["jitted_heads"], atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(out["eager_heads"], out["jitted_heads"], **SAME)
     np.testing.assert_allclose(out["eager_sums"], out["jitted_sums"], atol=1e-3, rtol=1e-6)
     # Run op by op, every call compiled the layer scan anew: ~1,400 new memory mappings a step.
     grown = int(out["grown"])
@@ -150,14 +127,7 @@ def test_eager_decode_loop(tmp_path):
 
 
 def _example(script: str, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, f"examples/{script}", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-        timeout=900,
-    )
+    return run_python(f"examples/{script}", *args)
 
 
 def test_generate_example_hf(hf_tiny):

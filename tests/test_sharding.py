@@ -4,16 +4,14 @@ FLOPs follow top-k, not the number of experts."""
 
 import dataclasses
 import json
-import pathlib
 import re
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import COMPONENT, run_python, succeeded
 from hf_reference import C, H, abstract, random_fill, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -21,7 +19,6 @@ import equinox_dsv4 as ed
 from equinox_dsv4.quant import quantize
 
 
-ROOT = pathlib.Path(__file__).parent.parent
 # Heads, groups, experts and hidden units divisible by 8 (the vocabulary, 97, is not: it stays
 # replicated). Four layers: one scan of two (CSA, HCA) pairs. Sharding changes only the order of
 # float32 sums; the largest logit difference here is 9.1e-6 (FSDP), under the 1e-5 asked for.
@@ -73,13 +70,13 @@ def test_sharded_model_equals_single_device(single, name):
     ):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == spec
     with jax.set_mesh(mesh):
-        np.testing.assert_allclose(eqx.filter_jit(sharded)(ids), logits, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(eqx.filter_jit(sharded)(ids), logits, **COMPONENT)
         cache = ed.parallel.shard_cache(sharded.init_cache(8, 32), mesh)
         out, cache = _decode(sharded, ids[:, :20], cache)
-        np.testing.assert_allclose(out, prefill, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out, prefill, **COMPONENT)
         for t, expected in zip(range(20, 24), steps, strict=True):
             out, cache = _decode(sharded, ids[:, t : t + 1], cache)
-            np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(out, expected, **COMPONENT)
 
 
 def test_specs_follow_the_rules():
@@ -181,10 +178,10 @@ def test_expert_parallel_equals_one_device(name, tokens):
     assert w1.sharding.spec == w1_spec
     with jax.set_mesh(mesh):
         (_, y2), g2 = value_and_grad(sharded, x)
-    np.testing.assert_allclose(y2, y1, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(y2, y1, **COMPONENT)
     assert len(jax.tree.leaves(g1)) == (4 if fmt is None else 1)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(b, a, **COMPONENT)
 
 
 def _dot_flops(jaxpr) -> float:
@@ -230,17 +227,16 @@ def test_moe_flops_follow_top_k_not_the_number_of_experts():
 
 def test_compile_command(tmp_path):
     out = tmp_path / "compile.json"
-    cmd = [sys.executable, "-m", "equinox_dsv4.compile", "--model", "tiny", "--devices", "8"]
-    cmd += ["--mesh", "fsdp=2,expert=4", "--prefill", "64", "--json", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
+    cmd = ["-m", "equinox_dsv4.compile", "--model", "tiny", "--devices", "8"]
+    cmd += ["--mesh", "fsdp=2,expert=4", "--prefill", "64", "--json", out]
+    result = succeeded(run_python(*cmd))
     report = json.loads(out.read_text())
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
     for phase in ("prefill", "decode"):
         row = report["phases"][phase]
         assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0 and row["flops"] > 0
     assert "| prefill (64 tok)" in result.stdout
-    bad = subprocess.run(cmd[:-6] + ["--mesh", "fsdp=3"], capture_output=True, text=True, cwd=ROOT)
+    bad = run_python(*cmd[:-6], "--mesh", "fsdp=3")
     assert bad.returncode == 1 and "does not match 8 devices" in bad.stderr
 
 
@@ -266,10 +262,10 @@ def test_decode_moves_tokens_not_expert_weights(single):
         cache = ed.parallel.shard_cache(sharded.init_cache(8, 32), mesh)
         many = _decode.lower(sharded, ids[:, :20], cache).compile().compiled.as_text()
         out, cache = _decode(sharded, ids[:, :20], cache)
-        np.testing.assert_allclose(out, prefill, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out, prefill, **COMPONENT)
         few = _decode.lower(sharded, ids[:, 20:21], cache).compile().compiled.as_text()
         out, cache = _decode(sharded, ids[:, 20:21], cache)
-        np.testing.assert_allclose(out, steps[0], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out, steps[0], **COMPONENT)
     assert _gathered_expert_stacks(many, local) > 0
     assert _gathered_expert_stacks(few, local) == 0
 
@@ -298,4 +294,4 @@ def test_vocabulary_split_equals_single_device():
     with jax.set_mesh(mesh):
         got = run(sharded, lambda c: ed.parallel.shard_cache(c, mesh))
     for a, b in zip(got, expected, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(a, b, **COMPONENT)

@@ -4,10 +4,6 @@ equals plain greedy generation token for token, and speculative sampling draws f
 distribution as plain sampling."""
 
 import dataclasses
-import os
-import pathlib
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -15,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from helpers import COMPONENT, LOGITS, run_python, succeeded
 from hf_reference import abstract, random_fill
 from test_decode import CONFIGS as DECODE_CONFIGS
 
@@ -142,10 +139,10 @@ def test_rewind_gives_the_cache_of_the_kept_tokens(models, name):
                 model, jnp.asarray(ids[:, i : i + 1]), plain, jnp.asarray(kept > i, jnp.int32)
             )
             for b in np.flatnonzero(kept > i):
-                np.testing.assert_allclose(logits[b, i], one[b, 0], atol=1e-4, rtol=1e-4)
+                np.testing.assert_allclose(logits[b, i], one[b, 0], **LOGITS)
         np.testing.assert_array_equal(spec.positions, plain.positions)
         for a, b in zip(_live(model, spec), _live(model, plain), strict=True):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(a, b, **COMPONENT)
 
 
 def test_rewind_is_bounded(models):
@@ -182,8 +179,8 @@ def test_cached_mtp_equals_its_full_forward(models, name):
             got_streams.append(o)
             s += chunk
         assert s == n
-        np.testing.assert_allclose(jnp.concatenate(got, 1), full, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(jnp.concatenate(got_streams, 1), out, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(jnp.concatenate(got, 1), full, **COMPONENT)
+        np.testing.assert_allclose(jnp.concatenate(got_streams, 1), out, **COMPONENT)
         streams = out
     with pytest.raises(ValueError, match="depth must be in"):
         model.mtp_decode(streams[:, :1], ids[:, :1], caches[0], depth=len(model.mtp))
@@ -397,13 +394,6 @@ def test_speculative_sampling_draws_the_plain_distribution():
 
 def test_example_script_speculative():
     # The embedded default with an MTP block (random weights: drafts are rejected).
-    result = subprocess.run(
-        [sys.executable, "examples/generate.py", "--speculative", "--max-new-tokens", "6"],
-        capture_output=True,
-        text=True,
-        cwd=pathlib.Path(__file__).parent.parent,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
-    assert result.returncode == 0, result.stderr
+    result = succeeded(run_python("examples/generate.py", "--speculative", "--max-new-tokens", "6"))
     assert "drafts accepted" in result.stderr, result.stderr
     assert "tokens per main-model call" in result.stderr

@@ -2,10 +2,6 @@
 hand, load balancing, overfitting a fixed text, bit-exact resume, remat memory, a data x fsdp x
 expert step against one device (FSDP across processes: tests/test_multihost.py)."""
 
-import pathlib
-import subprocess
-import sys
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,13 +9,11 @@ import numpy as np
 import optax
 import pytest
 import torch
+from helpers import COMPONENT, ROOT, run_python, succeeded
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
 from convert import fill, hf_to_canonical
-
-
-ROOT = pathlib.Path(__file__).parent.parent
 
 
 def _grads_like(skeleton: ed.DeepseekV4, reference: torch.nn.Module) -> ed.DeepseekV4:
@@ -314,7 +308,7 @@ def test_data_fsdp_expert_train_step_equals_single_device():
         jax.tree.leaves(eqx.filter(new.model, eqx.is_array)),
         strict=True,
     ):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(b, a, **COMPONENT)
 
 
 def test_micro_batches_equal_one_pass():
@@ -383,15 +377,13 @@ def test_abstract_train_state_places_moments_like_parameters():
 
 
 def test_example_train_script(tmp_path):
-    cmd = [sys.executable, "examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
-    cmd += ["--save-every", "2", "--out", str(tmp_path / "run"), "--layers", "1"]
+    cmd = ["examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
+    cmd += ["--save-every", "2", "--out", tmp_path / "run", "--layers", "1"]
     cmd += ["--remat", "none", "--micro-batches", "2"]  # the resume is under test, not remat
     # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
     # so the second process's step is the first's, from the session's compilation cache.)
-    first = subprocess.run(cmd + ["--stop-after", "4"], capture_output=True, text=True, cwd=ROOT)
-    assert first.returncode == 0, first.stderr
+    first = succeeded(run_python(*cmd, "--stop-after", "4"))
     assert (tmp_path / "run" / "train_state" / "train_state.json").is_file()
     assert "tokens/s" in first.stderr and "trained steps 0..4 of 6" in first.stderr
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert again.returncode == 0, again.stderr
+    again = succeeded(run_python(*cmd))
     assert "resumed at step 4" in again.stderr and "trained steps 4..6 of 6" in again.stderr
