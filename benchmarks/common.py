@@ -20,6 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+# The tables' format is the performance page's (a stdlib-only script).
+from performance import markdown as markdown  # noqa: E402
+
 import equinox_dsv4 as ed  # noqa: E402
 from convert import fill, hf_to_canonical  # noqa: E402
 
@@ -242,12 +245,6 @@ def write(name: str, rows: list[dict], table: str, extra: dict | None = None) ->
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     (RESULTS / f"{name}.md").write_text(table)
     print(table)
-
-
-def markdown(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 def set_threads(n: int | None = None) -> int:

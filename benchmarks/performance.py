@@ -692,7 +692,11 @@ def _quantized(data: dict) -> str:
     return out
 
 
-def _speculative(data: dict) -> str:
+def speculative_table(rows: list[dict]) -> str:
+    """The table `speculative.py` prints and writes: a row per (trained model, sampling, batch)."""
+    header = ["trained (lm / mtp loss)", "batch", "sampling", "plain tokens/s"]
+    header += ["speculative tokens/s", "speed-up", "acceptance", "tokens / main call"]
+    header += ["step cost (spec / plain)"]
     lines = [
         [
             f"{r['trained_steps']} steps ({r['lm']:.2f} / {r['mtp']:.2f})",
@@ -705,18 +709,19 @@ def _speculative(data: dict) -> str:
             f"{r['tokens_per_main_call']:.2f}",
             f"{r['speculative_seconds_per_step'] / r['plain_seconds_per_step']:.2f}",
         ]
-        for r in data["rows"]
+        for r in rows
     ]
-    header = ["trained (lm / mtp loss)", "batch", "sampling", "plain tokens/s"]
-    header += ["speculative tokens/s", "speed-up", "acceptance", "tokens / main call"]
-    header += ["step cost (spec / plain)"]
+    return markdown(header, lines)
+
+
+def _speculative(data: dict) -> str:
     intro = ""
     if "training" in data:
         t = data["training"]
         intro = f"Trained {t['steps']} steps in {t['seconds']:.0f} s"
         intro += f" on {data['text_tokens']} tokens" if "text_tokens" in data else ""
         intro += ".\n\n"
-    return intro + markdown(header, lines)
+    return intro + speculative_table(data["rows"])
 
 
 def _compile_depth(data: dict) -> str:

@@ -25,7 +25,8 @@ import time
 import equinox as eqx
 import jax
 import numpy as np
-from common import ROOT, markdown, write
+from common import ROOT, write
+from performance import speculative_table
 from tqdm import tqdm
 
 import equinox_dsv4 as ed
@@ -148,34 +149,7 @@ def main() -> int:
             for batch in (1, 8):
                 row = measure(model, prompts[:batch], args.new_tokens, sampling, args.repeats)
                 rows.append({"trained_steps": trained, **loss, **row})
-    header = [
-        "trained (lm / mtp loss)",
-        "batch",
-        "sampling",
-        "plain tokens/s",
-        "speculative tokens/s",
-        "speed-up",
-        "acceptance",
-        "tokens / main call",
-        "step cost (spec / plain)",
-    ]
-    table = markdown(
-        header,
-        [
-            [
-                f"{r['trained_steps']} steps ({r['lm']:.2f} / {r['mtp']:.2f})",
-                r["batch"],
-                r["sampling"],
-                f"{r['plain_tokens_per_s']:.1f}",
-                f"{r['speculative_tokens_per_s']:.1f}",
-                f"{r['speedup']:.2f}x",
-                f"{r['acceptance']:.0%}",
-                f"{r['tokens_per_main_call']:.2f}",
-                f"{r['speculative_seconds_per_step'] / r['plain_seconds_per_step']:.2f}",
-            ]
-            for r in rows
-        ],
-    )
+    table = speculative_table(rows)
     extra = {
         "training": {"steps": args.steps, "seconds": train_s, "history": history},
         "text_tokens": len(tokens),
