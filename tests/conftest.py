@@ -30,6 +30,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from helpers import compile_with_classic_cpu_emitters  # noqa: E402
+
+
+# The suite compiles far more than it runs (helpers.py says why, and what is kept apart).
+compile_with_classic_cpu_emitters()
 
 
 jax.config.update(

@@ -1,8 +1,9 @@
-"""What many test files share: running a script in a fresh process, and the tolerances parity is
-held to."""
+"""What many test files share: running a script in a fresh process, the tolerances parity is
+held to, and the compiler setting the suite's processes compile with."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -33,9 +34,12 @@ def run_python(
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """`python *args` in a fresh process: on the CPU, with this session's environment (conftest's
-    eight devices and compilation cache, which the process shares) and the repository importable
-    from any `cwd`. Returns the finished process (text stdout and stderr)."""
-    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    eight devices and compilation cache, which the process shares, and its compiler setting) and
+    the repository importable from any `cwd`. Returns the finished process (text stdout and
+    stderr)."""
+    # tests/site: its sitecustomize makes the process compile as this session does.
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "site")])
+    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, *map(str, args)],
         capture_output=True,
@@ -51,3 +55,37 @@ def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProces
     """`result`, after asserting that it exited 0 (else the end of its stderr is the message)."""
     assert result.returncode == 0, result.stderr[-6000:]
     return result
+
+
+# 8- and 4-bit float types in a program's MLIR text (f8E4M3FN, f8E8M0FNU, f4E2M1FN, ...).
+_LOW_PRECISION_FLOAT = re.compile(r"f[48]E\d")
+
+
+def compile_with_classic_cpu_emitters() -> None:
+    """From now on this process compiles its XLA:CPU programs with XLA's classic LLVM IR fusion
+    emitters instead of its MLIR ones, which take longer to compile a fusion (a third of the
+    suite's time went to them). Programs holding 8- or 4-bit floats keep the MLIR emitters: the
+    classic ones round and pack those wrongly (seen: float32 -> float8_e4m3fn off by one step,
+    an invalid i4 bitcast). Per program, through a private hook of JAX's, rather than in
+    XLA_FLAGS (which libtpu also parses, refusing the flag): if the hook moves, this raises."""
+    from jax._src import compiler
+
+    compile_or_get_cached = compiler.compile_or_get_cached
+    if getattr(compile_or_get_cached, "classic_cpu_emitters", False):
+        return
+
+    def compile_classic(backend, computation, devices, options, *args, **kwargs):
+        if backend.platform == "cpu":
+            classic = not _LOW_PRECISION_FLOAT.search(str(computation))
+            compile_classic.programs[classic] += 1
+            if classic:
+                options.env_option_overrides = [
+                    *options.env_option_overrides,
+                    ("xla_cpu_use_fusion_emitters", False),
+                ]
+        return compile_or_get_cached(backend, computation, devices, options, *args, **kwargs)
+
+    compile_classic.classic_cpu_emitters = True
+    # CPU programs compiled since: {True: with the classic emitters, False: with the MLIR ones}.
+    compile_classic.programs = {True: 0, False: 0}
+    compiler.compile_or_get_cached = compile_classic

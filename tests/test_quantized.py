@@ -112,6 +112,21 @@ def test_fp4_dequantises_like_the_reference():
     assert np.signbit(values[16])
 
 
+def test_suite_compiles_8_bit_floats_with_xla_mlir_emitters():
+    # The suite's compiler setting (tests/helpers.py): in effect, and not for programs holding
+    # 8- or 4-bit floats, which XLA:CPU's classic emitters round wrongly (with them the test
+    # below fails).
+    from jax._src import compiler
+
+    programs = compiler.compile_or_get_cached.programs
+    x = jnp.linspace(-3.0, 3.0, 7)
+    before = dict(programs)
+    jax.jit(lambda v: v * 3.0 + 1.0)(x).block_until_ready()
+    assert programs[True] == before[True] + 1 and programs[False] == before[False]
+    jax.jit(lambda v: (v * 5.0).astype(jnp.float8_e4m3fn))(x).block_until_ready()
+    assert programs[True] == before[True] + 1 and programs[False] == before[False] + 1
+
+
 def test_quantize_rounds_like_ml_dtypes():
     w = jax.random.normal(jax.random.key(0), (2, 96, 160)) * 0.05
     fp8 = quantize(w, "e4m3", (32, 32))

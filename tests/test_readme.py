@@ -113,7 +113,7 @@ EAGER = textwrap.dedent(
 
 
 def test_eager_decode_loop(tmp_path):
-    steps = 100  # past the ring (16) and six HCA blocks (16 tokens each)
+    steps = 44  # past the ring (16) and three HCA blocks (16 tokens each)
     succeeded(run_python("-c", EAGER, steps, cwd=tmp_path))
     out = np.load(tmp_path / "out.npz")
     assert out["eager_tokens"].shape == (steps, 2)
