@@ -11,6 +11,9 @@ import numpy as np
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# For the Python processes the tests start: the repository importable, and tests/site, whose
+# sitecustomize makes them compile as the test session does.
+PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "site")])
 
 # Parity with an independent float32 reference: each component to 1e-5, a whole model's logits
 # (dozens of layers of float32 rounding) to 1e-4.
@@ -37,9 +40,7 @@ def run_python(
     eight devices and compilation cache, which the process shares, and its compiler setting) and
     the repository importable from any `cwd`. Returns the finished process (text stdout and
     stderr)."""
-    # tests/site: its sitecustomize makes the process compile as this session does.
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "site")])
-    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    base = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=PYTHONPATH)
     return subprocess.run(
         [sys.executable, *map(str, args)],
         capture_output=True,

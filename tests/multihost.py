@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from helpers import ROOT
+from helpers import PYTHONPATH, ROOT
 
 
 WORKER = pathlib.Path(__file__).resolve().parent / "multihost_worker.py"
@@ -37,11 +37,11 @@ def free_port() -> int:
 
 def environment(devices: int) -> dict[str, str]:
     """This environment for a process with `devices` CPU devices of its own (the test session's
-    device-count flag removed; its compilation cache kept)."""
+    device-count flag removed; its compilation cache and compiler setting kept)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
     flags = env.get("XLA_FLAGS", "").split()
     env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PYTHONPATH, env.get("PYTHONPATH")]))
     return env
 
 

@@ -31,13 +31,8 @@ process = int(sys.argv[2])
 out = pathlib.Path(spec["out"])
 
 import jax  # noqa: E402
-from helpers import compile_with_classic_cpu_emitters  # noqa: E402
 
 import equinox_dsv4 as ed  # noqa: E402
-
-
-# As the test session's processes compile (faster; tests/helpers.py).
-compile_with_classic_cpu_emitters()
 
 
 ed.parallel.initialize(
