@@ -21,6 +21,7 @@ text); `--checkpoint DIR` or `--hf DIR` for real weights, as for examples/genera
 import argparse
 import copy
 import json
+import pathlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,7 @@ import equinox_dsv4 as ed
 
 
 EOS = "<｜end▁of▁sentence｜>"
-HELP = "/think, /effort max|high|none, /prompt, /reset, /help, /quit"
+HELP = "/think, /effort low|high|max|none, /prompt, /reset, /help, /quit"
 
 
 class Conversation:
@@ -55,6 +56,7 @@ class Conversation:
         thinking: bool = False,
         reasoning_effort: str | None = None,
         messages: list | None = None,
+        revision: str = "original",
     ):
         self.messages: list[dict[str, Any]] = list(messages or [])
         if tools:
@@ -68,13 +70,17 @@ class Conversation:
         self.start = [m for m in self.messages[:1] if m.get("role") == "system"]
         self.thinking = thinking
         self.reasoning_effort = reasoning_effort
+        self.revision = revision
         self.calls = 0
         self.pending: list[dict[str, Any]] = []  # tool calls of the last reply awaiting results
         self.prompt()  # refuse a bad conversation before any generation
 
     def prompt(self) -> str:
         return ed.chat_prompt(
-            self.messages, thinking=self.thinking, reasoning_effort=self.reasoning_effort
+            self.messages,
+            thinking=self.thinking,
+            reasoning_effort=self.reasoning_effort,
+            revision=self.revision,
         )
 
     def ask(self, text: str) -> None:
@@ -195,10 +201,15 @@ def interact(conversation: Conversation, reply, read: Callable[[str], str], log)
             if command == "/think":
                 conversation.thinking = not conversation.thinking
                 print(f"[thinking mode {'on' if conversation.thinking else 'off'}]", file=log)
-            elif command == "/effort" and value.strip() in ("max", "high", "none"):
-                effort = value.strip()
+            elif command == "/effort" and value.strip() in ("low", "high", "max", "none"):
+                effort, before = value.strip(), conversation.reasoning_effort
                 conversation.reasoning_effort = None if effort == "none" else effort
-                print(f"[reasoning effort {effort}]", file=log)
+                try:
+                    conversation.prompt()
+                    print(f"[reasoning effort {effort}]", file=log)
+                except ValueError as e:  # "low" in the original protocol
+                    conversation.reasoning_effort = before
+                    print(f"[error: {e}]", file=log)
             elif command == "/prompt":
                 print(conversation.prompt(), file=log)
             elif command == "/reset":
@@ -239,7 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--tools", metavar="FILE", help="OpenAI function tools (JSON list)")
     parser.add_argument("--thinking", action="store_true", help="start in thinking mode")
-    parser.add_argument("--reasoning-effort", choices=("max", "high"))
+    parser.add_argument(
+        "--reasoning-effort",
+        choices=("low", "high", "max"),
+        help="the release's effort instruction (thinking mode); 'low' only in the 0731 protocol",
+    )
+    parser.add_argument(
+        "--revision",
+        choices=ed.text.REVISIONS,
+        help="the chat protocol's revision (default: the loaded checkpoint's release: 0731 for "
+        "a checkpoint with a DSpark drafter, else the original)",
+    )
     parser.add_argument("--messages", metavar="FILE", help="reply once to this conversation")
     parser.add_argument("--json", action="store_true", help="with --messages: print the parse")
     add_sampling_arguments(parser, max_new_tokens=64)
@@ -272,10 +293,20 @@ def run(args: argparse.Namespace) -> int:
         thinking=args.thinking,
         reasoning_effort=args.reasoning_effort,
         messages=messages,
+        # Checked before loading in the revision that accepts the effort; set below.
+        revision=args.revision or ("0731" if args.reasoning_effort == "low" else "original"),
     )
     sampling(args)  # refuse bad sampling options before loading the model
     model, described = load_model(args, mtp=False)
     print(f"model: {described}", file=sys.stderr)
+    # V4-Flash-0731 is the release that ships a DSpark drafter and the 0731 protocol; the chat
+    # loads no drafter, so a release checkpoint's config.json tells.
+    announced = ed.Config.from_json(pathlib.Path(args.hf) / "config.json") if args.hf else None
+    released = "0731" if (announced or model.config).dspark else "original"
+    conversation.revision = args.revision or released
+    how = "given" if args.revision else "the checkpoint's release"
+    print(f"chat protocol: {conversation.revision} revision ({how})", file=sys.stderr)
+    conversation.prompt()
     check_vocabulary(model)
     reply = Replier(model, args)
     if messages is not None:

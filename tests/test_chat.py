@@ -10,6 +10,7 @@ import importlib
 import io
 import json
 import sys
+import types
 
 import pytest
 from helpers import ROOT, run_python
@@ -18,6 +19,10 @@ import equinox_dsv4 as ed
 
 
 CASES = json.loads((ROOT / "tests" / "data" / "release_chat" / "cases.json").read_text("utf-8"))
+# Written by V4-Flash-0731's encoder (its cases' options say revision="0731").
+CASES_0731 = json.loads(
+    (ROOT / "tests" / "data" / "release_chat" / "cases_0731.json").read_text("utf-8")
+)
 
 
 def _names(entries):
@@ -61,14 +66,40 @@ def test_stored_data_covers_the_protocol():
     assert any("release_error" in r for r in CASES["replies"])
 
 
-@pytest.mark.parametrize("case", CASES["conversations"], ids=_names(CASES["conversations"]))
+def test_stored_0731_data():
+    assert "bf85304efacced9af1f88aeb6f4ef3acb4fcef5c" in CASES_0731["encoder"]["source"]
+    options = [c["options"] for c in CASES_0731["conversations"]]
+    assert all(o["revision"] == "0731" for o in options)
+    thinking = {o.get("reasoning_effort") for o in options if o.get("thinking")}
+    assert thinking == {None, "low", "high", "max"}
+    # 0731's `high` is the original `max`; its `max` is new.
+    by_name = {c["name"]: c["prompt"] for c in CASES_0731["conversations"]}
+    original = {c["name"]: c["prompt"] for c in CASES["conversations"]}
+    assert by_name["effort_high_no_system"] == original["effort_max_no_system"]
+    assert by_name["effort_max_no_system"] != original["effort_max_no_system"]
+    # Its reply parser did not change: the same replies, parsed the same.
+    assert CASES_0731["replies"] == CASES["replies"]
+
+
+BOTH = CASES["conversations"] + CASES_0731["conversations"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    BOTH,
+    ids=_names(CASES["conversations"]) + [f"0731-{n}" for n in _names(CASES_0731["conversations"])],
+)
 def test_prompt_is_the_release_encoders(case):
     messages = copy.deepcopy(case["messages"])
     assert ed.chat_prompt(messages, **case["options"]) == case["prompt"]
     assert messages == case["messages"]  # the caller's messages are left as they were
 
 
-@pytest.mark.parametrize("case", CASES["rejected"], ids=_names(CASES["rejected"]))
+@pytest.mark.parametrize(
+    "case",
+    CASES["rejected"] + CASES_0731["rejected"],
+    ids=_names(CASES["rejected"]) + [f"0731-{n}" for n in _names(CASES_0731["rejected"])],
+)
 def test_input_the_release_refuses_is_a_value_error(case):
     with pytest.raises(ValueError):
         ed.chat_prompt(case["messages"], **case["options"])
@@ -269,6 +300,53 @@ def test_chat_session_keeps_history_calls_tools_and_drops_old_reasoning():
     assert "[error: the conversation has 9 tokens" in log.getvalue() and plain.messages == []
 
 
+# What the chat example reads of a model besides what the tests replace.
+_STAND_IN = types.SimpleNamespace(config=ed.Config.tiny())
+
+# V4-Flash-0731's effort texts (from the description of its encoder: `high` carries the original
+# release's `max` text, `max` a new one).
+_ABSOLUTE = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough "
+    "in your thinking and comprehensively decompose the problem to resolve the root cause, "
+    "rigorously stress-testing your logic against all potential paths, edge cases, and "
+    "adversarial scenarios.\nExplicitly write out your entire deliberation process, documenting "
+    "every intermediate step, considered alternative, and rejected hypothesis to ensure "
+    "absolutely no assumption is left unchecked.\n\n"
+)
+_BEYOND = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\nYou MUST "
+    "reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its "
+    "root, and resolve the underlying cause rather than any surface symptom.\nDo not stop "
+    "reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+
+
+def test_0731_reasoning_efforts():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    plain = ed.chat_prompt(messages, thinking=True)
+    bos = ed.text.BOS
+    for effort, text in ((None, ""), ("low", ""), ("high", _ABSOLUTE), ("max", _BEYOND)):
+        got = ed.chat_prompt(messages, thinking=True, reasoning_effort=effort, revision="0731")
+        assert got == bos + text + plain[len(bos) :], effort
+        # Chat mode: no effort text, as in the original protocol.
+        chat = ed.chat_prompt(messages, reasoning_effort=effort, revision="0731")
+        assert chat == ed.chat_prompt(messages)
+    # The original protocol is the default, its `max` 0731's `high`.
+    assert (
+        ed.chat_prompt(messages, thinking=True, reasoning_effort="max")
+        == bos + _ABSOLUTE + (plain[len(bos) :])
+    )
+    for effort, revision, match in (
+        ("low", "original", "'low': one of max, high or None"),
+        ("extreme", "0731", "'extreme': one of low, high, max or None"),
+        (None, "0732", "revision '0732'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ed.chat_prompt(messages, reasoning_effort=effort, revision=revision)
+
+
 def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
     chat = _chat_module()
     case = next(
@@ -276,7 +354,7 @@ def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
     )
     (tmp_path / "conversation.json").write_text(json.dumps({"messages": case["messages"]}))
     model = _Scripted(_reply("thinking_one_call"))
-    monkeypatch.setattr(chat, "load_model", lambda args, mtp: (None, "scripted"))
+    monkeypatch.setattr(chat, "load_model", lambda args, mtp: (_STAND_IN, "scripted"))
     monkeypatch.setattr(chat, "check_vocabulary", lambda _: None)
     monkeypatch.setattr(chat, "Replier", lambda *_: model)
     code = chat.main(["--messages", str(tmp_path / "conversation.json"), "--thinking", "--json"])
@@ -304,6 +382,42 @@ def test_chat_one_shot_messages_file(tmp_path, monkeypatch, capsys):
     (tmp_path / "broken.json").write_text("[{")
     assert chat.main(["--messages", str(tmp_path / "broken.json")]) == 1
     assert "not JSON" in capsys.readouterr().err
+
+
+def test_chat_example_picks_the_checkpoints_revision(tmp_path, monkeypatch, capsys):
+    # A checkpoint with a DSpark drafter is a 0731 release: its protocol, and its efforts.
+    chat = _chat_module()
+    (tmp_path / "q.json").write_text('[{"role": "user", "content": "Hi"}]')
+    q = [{"role": "user", "content": "Hi"}]
+    dspark = ed.Config.tiny(
+        dspark_block_size=5,
+        dspark_markov_rank=8,
+        dspark_target_layer_ids=(6, 7, 8),
+        dspark_noise_token_id=3,
+    )
+    monkeypatch.setattr(chat, "check_vocabulary", lambda _: None)
+    for config, effort, revision in (
+        (dspark, "max", "0731"),
+        (dspark, "low", "0731"),
+        (ed.Config.tiny(), "max", "original"),
+    ):
+        model = _Scripted(_reply("thinking_plain"))
+        stand_in = types.SimpleNamespace(config=config)
+        monkeypatch.setattr(chat, "load_model", lambda args, mtp, m=stand_in: (m, "scripted"))
+        monkeypatch.setattr(chat, "Replier", lambda *_, m=model: m)
+        args = ["--messages", str(tmp_path / "q.json"), "--thinking", "--reasoning-effort", effort]
+        assert chat.main(args) == 0
+        assert f"chat protocol: {revision} revision (the checkpoint's release)" in (
+            capsys.readouterr().err
+        )
+        expected = ed.chat_prompt(q, thinking=True, reasoning_effort=effort, revision=revision)
+        assert model.prompts == [(expected, True)]
+    # "low" is not an effort of the original protocol: refused once the model says which.
+    stand_in = types.SimpleNamespace(config=ed.Config.tiny())
+    monkeypatch.setattr(chat, "load_model", lambda args, mtp: (stand_in, "scripted"))
+    args = ["--messages", str(tmp_path / "q.json"), "--thinking", "--reasoning-effort", "low"]
+    assert chat.main(args) == 1
+    assert "'low': one of max, high or None (revision 'original')" in capsys.readouterr().err
 
 
 def test_chat_example_through_stdin():

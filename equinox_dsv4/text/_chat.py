@@ -36,7 +36,11 @@ TASKS = {
 # Tokens that structure a conversation rather than carry its text; `decode_text` hides them.
 MARKERS = (USER, ASSISTANT, LATEST_REMINDER, THINK, END_THINK, *TASKS.values())
 ROLES = ("system", "user", "developer", "assistant", "tool", "latest_reminder")
-REASONING_EFFORTS = ("max", "high")
+# The encoder's revisions: the original release's, and V4-Flash-0731's, which changed the
+# reasoning-effort ladder (its `high` is the original `max`; its `max` is new).
+REVISIONS = ("original", "0731")
+REASONING_EFFORTS = ("max", "high")  # the original revision's
+REASONING_EFFORTS_0731 = ("low", "high", "max")
 
 # The release's prompt texts, byte for byte: the model was trained on exactly these.
 REASONING_EFFORT_MAX = (
@@ -48,6 +52,22 @@ REASONING_EFFORT_MAX = (
     "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
     "unchecked.\n\n"
 )
+# 0731's `max` (U+2014 after "maximum").
+REASONING_EFFORT_BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: "
+    "exhaustively decompose the problem into its most fundamental components, trace every "
+    "causal chain to its root, and resolve the underlying cause rather than any surface "
+    "symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple "
+    "angles and are certain that no assumption remains unchecked and no error remains "
+    "undiscovered.\n\n"
+)
+# Per revision, the text each effort puts at the start of a thinking-mode prompt (none: "").
+EFFORT_TEXTS = {
+    "original": {"max": REASONING_EFFORT_MAX},
+    "0731": {"high": REASONING_EFFORT_MAX, "max": REASONING_EFFORT_BEYOND_MAX},
+}
 RESPONSE_FORMAT = (
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 )
@@ -268,12 +288,13 @@ def _drop_old_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _render(
-    i: int, messages: list[dict[str, Any]], last_user: int, thinking: bool, drop: bool, effort
+    i: int, messages: list[dict[str, Any]], last_user: int, thinking: bool, drop: bool, effort: str
 ) -> str:
-    """Message `i`'s text (`last_user`: the index of the last user or developer message)."""
+    """Message `i`'s text (`last_user`: the index of the last user or developer message;
+    `effort`: the reasoning-effort text that opens a thinking-mode prompt)."""
     message = messages[i]
     role, where = message["role"], f"message {i}"
-    out = REASONING_EFFORT_MAX if i == 0 and thinking and effort == "max" else ""
+    out = effort if i == 0 and thinking else ""
     if role in ("system", "developer"):
         out += USER + message["content"] if role == "developer" else _text(message, where)
         if message.get("tools"):
@@ -324,6 +345,7 @@ def chat_prompt(
     drop_thinking: bool = True,
     context: Sequence[Mapping[str, Any]] | None = None,
     add_bos: bool = True,
+    revision: str = "original",
 ) -> str:
     """The prompt text of a conversation, as the release's `encode_messages` writes it.
 
@@ -339,14 +361,18 @@ def chat_prompt(
       the task's token instead of the assistant opener.
     - `thinking`: thinking mode (the reply opens with `<think>`) instead of chat mode
       (`</think>`).
-    - `reasoning_effort`: `"max"` puts the release's maximum-effort instruction at the start of
-      the prompt (thinking mode only); `"high"` and `None` add nothing.
+    - `reasoning_effort`: an instruction at the start of the prompt (thinking mode only). In the
+      original revision `"max"` puts the release's maximum-effort text there, `"high"` and
+      `None` add nothing; in `"0731"` `"high"` puts that same text, `"max"` 0731's
+      beyond-maximum one, `"low"` and `None` nothing.
     - `drop_thinking`: in thinking mode, drop the reasoning of assistant turns before the last
       user message (and developer turns there). Ignored, as by the release, when a message has
       tools: tool use keeps all reasoning.
     - `context`: earlier messages already in the model's cache: the text of `messages` alone is
       returned, as it continues the context's (no BOS).
     - `add_bos`: start with `<｜begin▁of▁sentence｜>` (when there is no context).
+    - `revision`: the encoder's revision, `"original"` (V4-Flash, V4-Pro) or `"0731"`
+      (V4-Flash-0731): the model's release.
 
     **Returns:** the prompt text; `encode_text` gives its token ids.
 
@@ -355,10 +381,15 @@ def chat_prompt(
     function calls with JSON-object arguments, ...). Every message is checked, also those the
     release would skip.
     """
-    if reasoning_effort is not None and reasoning_effort not in REASONING_EFFORTS:
+    if revision not in REVISIONS:
+        raise ValueError(f"revision {revision!r}: one of {', '.join(REVISIONS)}")
+    efforts = REASONING_EFFORTS_0731 if revision == "0731" else REASONING_EFFORTS
+    if reasoning_effort is not None and reasoning_effort not in efforts:
         raise ValueError(
-            f"reasoning_effort {reasoning_effort!r}: one of {', '.join(REASONING_EFFORTS)} or None"
+            f"reasoning_effort {reasoning_effort!r}: one of {', '.join(efforts)} or None "
+            f"(revision {revision!r})"
         )
+    effort = EFFORT_TEXTS[revision].get(reasoning_effort or "", "")
     context = list(context or [])
     for name, given in (("context", context), ("messages", messages)):
         for i, message in enumerate(given):
@@ -377,6 +408,5 @@ def chat_prompt(
     prompt = BOS if add_bos and not context else ""
     last_user = _last_user(history)
     return prompt + "".join(
-        _render(i, history, last_user, thinking, drop, reasoning_effort)
-        for i in range(start, len(history))
+        _render(i, history, last_user, thinking, drop, effort) for i in range(start, len(history))
     )

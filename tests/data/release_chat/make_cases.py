@@ -3,7 +3,11 @@
 The release's `encoding/encoding_dsv4.py` is not part of this repository: get a copy of the
 DeepSeek-V4 release's `encoding/` directory (the revision used is recorded in cases.json) and run
 
-    python tests/data/release_chat/make_cases.py --encoder PATH/TO/encoding/encoding_dsv4.py
+    python tests/data/release_chat/make_cases.py --encoder PATH/TO/encoding/encoding_dsv4.py \
+        --source "REPOSITORY @ COMMIT, PATH"
+
+The encoder of V4-Flash-0731 (its reasoning efforts low / high / max) writes
+`cases_0731.json` instead, its cases carrying `revision="0731"` among their options.
 
 It needs the `regex` package only if that revision of the encoder imports it. The release's own
 examples (`encoding/tests/test_input_*.json`) are added as cases when they sit beside the encoder.
@@ -154,11 +158,13 @@ def parallel_turns():
     ]
 
 
-def conversations():
+def conversations(revision="original"):
     """(name, messages, options) for the encoder; options are chat_prompt's keyword arguments."""
     out = []
 
     def add(name, messages, **options):
+        if revision != "original":
+            options["revision"] = revision
         out.append((name, messages, options))
 
     add("user_only_chat", [{"role": "user", "content": "Hello!"}])
@@ -183,6 +189,11 @@ def conversations():
     add("multi_turn_thinking_effort_high", basic, thinking=True, reasoning_effort="high")
     add("effort_max_in_chat_mode_ignored", basic, reasoning_effort="max")
     add("effort_max_no_system", basic[1:], thinking=True, reasoning_effort="max")
+    if revision == "0731":
+        add("multi_turn_thinking_effort_low", basic, thinking=True, reasoning_effort="low")
+        add("effort_low_no_system", basic[1:], thinking=True, reasoning_effort="low")
+        add("effort_high_no_system", basic[1:], thinking=True, reasoning_effort="high")
+        add("effort_high_in_chat_mode_ignored", basic, reasoning_effort="high")
     add("no_bos", basic[:2], add_bos=False)
     add("empty_system_content", [{"role": "system", "content": ""}, basic[1]], thinking=True)
     add(
@@ -492,10 +503,10 @@ def conversations():
     return out
 
 
-def rejected():
+def rejected(revision="original"):
     """(name, messages, options) the release's encoder refuses."""
     user = {"role": "user", "content": "Hi"}
-    return [
+    cases = [
         ("reasoning_effort_low", [user], {"thinking": True, "reasoning_effort": "low"}),
         ("reasoning_effort_unknown_chat", [user], {"reasoning_effort": "extreme"}),
         ("developer_without_content", [{"role": "developer", "content": ""}, user], {}),
@@ -521,6 +532,13 @@ def rejected():
             {},
         ),
         ("user_content_none", [{"role": "user", "content": None}], {}),
+    ]
+    if revision == "original":
+        return cases
+    # 0731 accepts "low"; "medium" is not one of its efforts.
+    cases[0] = ("reasoning_effort_medium", [user], {"thinking": True, "reasoning_effort": "medium"})
+    return [
+        (name, messages, {**options, "revision": revision}) for name, messages, options in cases
     ]
 
 
@@ -695,13 +713,19 @@ def main():
     parser.add_argument(
         "--source", required=True, help="where the encoder came from (repository @ commit, path)"
     )
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "cases.json"))
+    parser.add_argument(
+        "--out", help="default: cases.json (original) or cases_0731.json beside this script"
+    )
     args = parser.parse_args()
     enc = load_encoder(args.encoder)
     with open(args.encoder, "rb") as f:
         sha256 = hashlib.sha256(f.read()).hexdigest()
+    revision = "0731" if hasattr(enc, "REASONING_EFFORT_PROMPTS") else "original"
+    out = args.out or os.path.join(
+        os.path.dirname(__file__), "cases.json" if revision == "original" else "cases_0731.json"
+    )
 
-    cases = conversations()
+    cases = conversations(revision)
     release_dir = os.path.join(os.path.dirname(args.encoder), "tests")
     for i, mode in ((1, "thinking"), (2, "thinking"), (3, "thinking"), (4, "chat")):
         path = os.path.join(release_dir, f"test_input_{i}.json")
@@ -722,7 +746,7 @@ def main():
         assert messages == before
         encoded.append({"name": name, "messages": messages, "options": options, "prompt": prompt})
     refused = []
-    for name, messages, options in rejected():
+    for name, messages, options in rejected(revision):
         try:
             enc.encode_messages(copy.deepcopy(messages), **release_kwargs(options))
         except Exception as err:  # the release refuses with asserts and whatever else breaks
@@ -751,23 +775,24 @@ def main():
         "encoder": {
             "source": args.source,
             "sha256": sha256,
-            "revision": (
-                "reasoning efforts 'max' (adds REASONING_EFFORT_MAX) and 'high' (adds nothing)"
-                if hasattr(enc, "REASONING_EFFORT_MAX")
-                else "unrecognised"
-            ),
+            "revision": {
+                "original": "reasoning efforts 'max' (adds REASONING_EFFORT_MAX) and 'high' "
+                "(adds nothing)",
+                "0731": "reasoning efforts 'low' (the default, adds nothing), 'high' and 'max' "
+                "(REASONING_EFFORT_PROMPTS)",
+            }[revision],
             "made_by": "tests/data/release_chat/make_cases.py",
         },
         "conversations": encoded,
         "rejected": refused,
         "replies": replies,
     }
-    with open(args.out, "w", encoding="utf-8") as f:
+    with open(out, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False, indent=1)
         f.write("\n")
     print(
         f"{len(encoded)} conversations, {len(refused)} rejected inputs, {len(replies)} replies "
-        f"({sum('release_error' in r for r in replies)} refused) -> {args.out}",
+        f"({sum('release_error' in r for r in replies)} refused) -> {out}",
         file=sys.stderr,
     )
 
