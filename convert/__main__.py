@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-mtp",
         action="store_true",
-        help="skip the MTP block (mtp.*); without it the block is converted when present (a "
-        "transformers-saved checkpoint has none, whatever its config says)",
+        help="skip the MTP block or DSpark drafter (mtp.*); without it they are converted when "
+        "present (a transformers-saved checkpoint has none, whatever its config says)",
     )
     parser.add_argument(
         "--layers", type=int, metavar="N", help="keep only the first N layers (for smoke runs)"

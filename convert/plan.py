@@ -5,6 +5,7 @@ raised as one `CheckpointError` before any data is read."""
 import dataclasses
 import os
 import pathlib
+import re
 import sys
 import warnings
 from typing import Any
@@ -144,9 +145,14 @@ def plan(
     problems: list[str] = []
     tensors = list_tensors(hf_dir, problems)
     targets = {name: hf_to_canonical(name) or ((name, Transform()),) for name in tensors}
+    stages = {int(m[1]) for name in tensors if (m := re.match(r"mtp\.(\d+)\.", name))}
+    if config.dspark and stages:
+        # The release's config says one MTP layer (num_nextn_predict_layers) and ships three
+        # drafter stages: they are counted from the checkpoint.
+        config = dataclasses.replace(config, dspark_stages=max(stages) + 1)
     load_mtp = _resolve_mtp(config, tensors, targets, load_mtp, problems)
     if not load_mtp:
-        config = dataclasses.replace(config, num_nextn_predict_layers=0)
+        config = config.trunk_only()
     if layers is not None:
         config = config.first_layers(layers)
     skeleton = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
@@ -173,7 +179,7 @@ def plan(
         for canonical, transform in targets[name]:
             if _skipped(canonical, load_mtp, layers):
                 continue
-            target = canonical_to_path(canonical, skeleton.plan)
+            target = canonical_to_path(canonical, skeleton.plan, config.dspark_stages)
             if target is not None and target[0] + ".values" in held:
                 _keep(sources, canonical, info, scale, transform, block, exponents, problems)
                 continue
@@ -187,7 +193,9 @@ def plan(
         slots = assign(skeleton, ((s.name, s.shape, s.is_int) for s in sources.values()))
     except CheckpointError as e:
         problems += e.problems
-    if any(p.startswith("missing tensor for .mtp[") for p in problems):
+    if any(
+        p.startswith(("missing tensor for .mtp[", "missing tensor for .dspark.")) for p in problems
+    ):
         problems.append(_NO_MTP_HINT)
     if problems:
         raise CheckpointError(problems)
@@ -218,7 +226,10 @@ def _keep(sources, canonical, info, scale, transform, block, exponents, problems
     sources[name] = Source(name, scale, None, transform, scale.shape, exponents, "scale")
 
 
-_NO_MTP_HINT = "to load without the MTP block, pass load_mtp=False (python -m convert: --no-mtp)"
+_NO_MTP_HINT = (
+    "to load without the MTP block or DSpark drafter, pass load_mtp=False (python -m convert: "
+    "--no-mtp)"
+)
 
 
 def _resolve_mtp(
@@ -237,6 +248,17 @@ def _resolve_mtp(
     announced = config.num_nextn_predict_layers
     if load_mtp is False:
         return False
+    if config.dspark:
+        if not any(c.startswith("mtp.") for named in targets.values() for c, _ in named):
+            last = config.dspark_stages - 1
+            problems.append(
+                f"config.json announces a DSpark drafter (dspark_* keys, {config.dspark_stages} "
+                "stages) but the checkpoint holds none of its tensors (mtp.0.main_proj.weight, "
+                f"mtp.0.main_norm.weight, mtp.<i>.attn.*, mtp.{last}.markov_head.markov_w1.weight, "
+                f"mtp.{last}.confidence_head.proj.weight, ...); {_NO_MTP_HINT}"
+            )
+            return False
+        return True
     if announced == 0:
         return True  # any mtp.* tensor is then reported as unexpected
     if any(c.startswith("mtp.") for named in targets.values() for c, _ in named):

@@ -86,18 +86,30 @@ def sampling(args: argparse.Namespace) -> ed.Sampling:
     return ed.Sampling(args.temperature, args.top_k, args.top_p)
 
 
+TINY_DSPARK = dict(
+    num_nextn_predict_layers=1,
+    dspark_block_size=5,
+    dspark_markov_rank=16,
+    dspark_target_layer_ids=(6, 7, 8),
+    dspark_noise_token_id=128799,
+    dspark_stages=3,
+)
+
+
 def load_model(
     args: argparse.Namespace,
     *,
-    mtp: bool | None = None,
+    mtp: bool | str | None = None,
     layers: int | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[ed.DeepseekV4, str]:
     """The model the arguments name and a description of it.
 
-    `mtp`: with or without the MTP blocks (`None`: the default model's one, a checkpoint's if
-    it has them); `layers`: the default model keeps only its first `layers` layers; `mesh`:
-    placed on it (a checkpoint read in parts: each device reads only what it holds).
+    `mtp`: with or without the MTP blocks or DSpark drafter (`None`: the default model's MTP
+    block, a checkpoint's drafters if it has them; `"mtp"` / `"dspark"`: the default model
+    with that drafter, a checkpoint's drafters); `layers`: the default model keeps only its
+    first `layers` layers; `mesh`: placed on it (a checkpoint read in parts: each device reads
+    only what it holds).
     """
     dtype = jnp.dtype(args.dtype)
     if (args.checkpoint or args.hf) and layers is not None:
@@ -107,8 +119,14 @@ def load_model(
     if args.hf:
         import convert
 
-        return convert.load_hf(args.hf, dtype=dtype, load_mtp=mtp, mesh=mesh), args.hf
-    config = ed.Config.tiny(**({} if mtp is None else {"num_nextn_predict_layers": int(mtp)}))
+        load_mtp = None if mtp is None else bool(mtp)
+        return convert.load_hf(args.hf, dtype=dtype, load_mtp=load_mtp, mesh=mesh), args.hf
+    if mtp == "dspark":  # the embedded default with a drafter shaped as 0731's, on its last layers
+        config = ed.Config.tiny(**TINY_DSPARK)
+    else:
+        config = ed.Config.tiny(
+            **({} if mtp is None else {"num_nextn_predict_layers": int(bool(mtp))})
+        )
     if layers is not None:
         config = config.first_layers(layers)
     model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)

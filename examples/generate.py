@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, help="cache length (default: prompt + new)")
     parser.add_argument(
         "--speculative",
-        action="store_true",
-        help="draft with the model's MTP blocks, verify with one main-model call per step "
-        "(same tokens when greedy, same distribution when sampling)",
+        nargs="?",
+        const="mtp",
+        choices=("mtp", "dspark"),
+        help="draft with the model's MTP blocks (mtp, the default) or its DSpark drafter "
+        "(dspark: a block of drafts per step, V4-Flash-0731), verify with one main-model call "
+        "per step (same tokens when greedy, same distribution when sampling)",
     )
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
     add_mesh_arguments(parser)
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model, described = load_model(
-        args, mtp=args.speculative, layers=args.layers, mesh=mesh_from(args)
+        args, mtp=args.speculative or False, layers=args.layers, mesh=mesh_from(args)
     )
     say(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)")
     check_vocabulary(model)
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         key=jax.random.key(args.seed),
         max_len=args.max_len,
         callback=stream,
-        speculative=args.speculative,
+        speculative=args.speculative or False,
         stats=stats,
     )
     if ed.parallel.is_primary():
@@ -110,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
             f"{(stats['tokens'] - 1) / stats['steps']:.2f} tokens per main-model call "
             f"(after the prefill's first token)"
         )
+        if "confidence_accepted" in stats:
+            say(
+                f"drafter confidence: {stats['confidence_accepted']:.2f} on accepted drafts, "
+                f"{stats['confidence_rejected']:.2f} on rejected ones"
+            )
     return 0
 
 

@@ -86,6 +86,7 @@ _FIRST = (
     "test_quantized.py",
     "test_numerics.py",
     "test_speculative.py",
+    "test_dspark.py",
 )
 # Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
 # lock) run on one worker; every other test goes to whichever worker is free.

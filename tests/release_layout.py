@@ -26,7 +26,7 @@ from equinox_dsv4.ckpt import canonical_pieces
 FP4_LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 FP8_NAMES = re.compile(
     r"(.*\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|.*\.indexer\.wq_b|.*\.shared_experts\.w[123]"
-    r"|mtp\.\d+\.(e_proj|h_proj))\.weight"
+    r"|mtp\.\d+\.(e_proj|h_proj|main_proj))\.weight"
 )
 FP4_NAMES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
 F32_NAMES = re.compile(r".*(hc_(attn|ffn|head)_(fn|base|scale)|\.ape|\.attn_sink|\.gate\.bias)")
@@ -105,6 +105,7 @@ def official_config(config: ed.Config, fp8_block: int = 128) -> dict:
             "compress_rates",
             "rope_parameters",
             "partial_rotary_factor",
+            "dspark_stages",  # the release counts them in compress_ratios
         )
     }
     out.update(
@@ -114,7 +115,7 @@ def official_config(config: ed.Config, fp8_block: int = 128) -> dict:
         topk_method="noaux_tc",
         num_hash_layers=config.num_hash_layers,
         compress_ratios=[ratio[t] for t in config.layer_types]
-        + [0] * config.num_nextn_predict_layers,
+        + [0] * (config.dspark_stages or config.num_nextn_predict_layers),
         quantization_config={
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
@@ -145,9 +146,10 @@ def write_release_checkpoint(
     seed: int = 0,
     fp8_block: int = 128,
 ) -> dict[str, np.ndarray]:
-    """Write `reference`'s weights (a transformers model of `config`) plus a random MTP block in
-    the release layout, FP8 in `fp8_block` x `fp8_block` blocks. Returns the canonical float32
-    values a loader must reproduce (after quantisation / rounding), keyed by official name."""
+    """Write `reference`'s weights (a transformers model of `config`) plus a random MTP block
+    (or DSpark drafter, as V4-Flash-0731 ships it, when `config` has one) in the release
+    layout, FP8 in `fp8_block` x `fp8_block` blocks. Returns the canonical float32 values a
+    loader must reproduce (after quantisation / rounding), keyed by official name."""
     rng = np.random.default_rng(seed)
     values: dict[str, np.ndarray] = {}
     for key, tensor in reference.state_dict().items():

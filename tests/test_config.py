@@ -155,7 +155,17 @@ def test_first_layers_keeps_the_prefix_and_rejects_bad_counts():
 def test_every_field_has_one_place_in_config_json():
     # The field list is written once (`Config`'s fields): every field is its own config.json key
     # ("plain"), read and written by `_hf_config` ("custom"), or an execution setting (None).
-    config = dataclasses.replace(tiny_config(), fp8_block_size=(128, 128), expert_dtype="fp4")
+    config = dataclasses.replace(
+        tiny_config(),
+        fp8_block_size=(128, 128),
+        expert_dtype="fp4",
+        dspark_block_size=5,
+        dspark_markov_rank=8,
+        dspark_target_layer_ids=(6, 7, 8),
+        dspark_noise_token_id=3,
+    )
+    assert config.dspark_stages == 3  # the releases' count, when nothing says otherwise
+    assert not any(k.startswith("dspark") for k in tiny_config().to_hf())
     written = config.to_hf()
     for field in dataclasses.fields(ed.Config):
         kind = field.metadata["hf"]

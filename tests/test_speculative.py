@@ -62,7 +62,7 @@ class _Watched(ed.inference.AbstractDrafter):
     def draft(self, *args):
         self.traced.items.append(1)
         state = ed.inference.MTPDrafter().draft(*args)
-        verified = args[2]
+        verified = args[3]
 
         def record(*values):
             self.records.items.append(jax.device_get(values))

@@ -34,6 +34,19 @@ _MTP = re.compile(r"mtp\.(\d+)\.(.+)")
 _HC_HEAD = re.compile(r"hc_head_(fn|base|scale)")
 _GLOBAL = {"embed.weight", "head.weight", "norm.weight"}
 _MTP_OWN = {"e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight"}
+# A DSpark drafter's own tensors: path under `.dspark` -> (stage, name under `mtp.<stage>.`),
+# stage -1 being the last.
+_DSPARK_OWN = {
+    "main_proj.weight": (0, "main_proj.weight"),
+    "main_norm.weight": (0, "main_norm.weight"),
+    "norm.weight": (-1, "norm.weight"),
+    "hc_head.fn": (-1, "hc_head_fn"),
+    "hc_head.base": (-1, "hc_head_base"),
+    "hc_head.scale": (-1, "hc_head_scale"),
+    "markov_w1.weight": (-1, "markov_head.markov_w1.weight"),
+    "markov_w2.weight": (-1, "markov_head.markov_w2.weight"),
+    "confidence.weight": (-1, "confidence_head.proj.weight"),
+}
 
 
 class CheckpointError(ValueError):
@@ -64,15 +77,20 @@ def block_path(rest: str) -> tuple[str, tuple[int, ...]]:
 
 
 @typechecked
-def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]] | None:
+def canonical_to_path(
+    name: str, plan: LayerPlan, dspark_stages: int = 0
+) -> tuple[str, tuple[int, ...]] | None:
     """`(pytree path, leading index)` of a canonical name in a model with this plan: the tensor
     fills `leaf[index]` of the leaf whose `jax.tree_util.keystr` is `path`. `None` when the name
     cannot belong to such a model (e.g. a layer beyond the plan). A quantisation scale
     (`X.scale` of weight `X.weight`, or of an expert stack `X`) goes to its weight's `.scale`;
-    `assign` sends a weight to `.values` where the model holds it quantised."""
+    `assign` sends a weight to `.values` where the model holds it quantised. With
+    `dspark_stages` (`Config.dspark_stages`) the `mtp.<i>` names are a DSpark drafter's."""
     if name.endswith(".scale"):
         base = name[: -len(".scale")]
-        owner = canonical_to_path(base + ".weight", plan) or canonical_to_path(base, plan)
+        owner = canonical_to_path(base + ".weight", plan, dspark_stages) or canonical_to_path(
+            base, plan, dspark_stages
+        )
         return None if owner is None else (owner[0] + ".scale", owner[1])
     if name in _GLOBAL:
         return "." + name, ()
@@ -85,6 +103,8 @@ def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]]
         segment, position, repeat = plan.locate(layer)
         path, index = block_path(m[2])
         return f".layers[{segment}].blocks[{position}]{path}", (repeat, *index)
+    if (m := _MTP.fullmatch(name)) and dspark_stages:
+        return _dspark_path(int(m[1]), m[2], dspark_stages)
     if m := _MTP.fullmatch(name):
         depth, rest = int(m[1]), m[2]
         if rest in _MTP_OWN:
@@ -94,6 +114,16 @@ def canonical_to_path(name: str, plan: LayerPlan) -> tuple[str, tuple[int, ...]]
         path, index = block_path(rest)
         return f".mtp[{depth}].block{path}", index
     return None
+
+
+def _dspark_path(stage: int, rest: str, stages: int) -> tuple[str, tuple[int, ...]] | None:
+    if stage >= stages:
+        return None
+    for path, (owner, own) in _DSPARK_OWN.items():
+        if rest == own:
+            return (f".dspark.{path}", ()) if stage == owner % stages else None
+    path, index = block_path(rest)
+    return f".dspark.stages[{stage}]{path}", index
 
 
 def _block_rest(path: str) -> str:
@@ -129,6 +159,13 @@ def _pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
                 else:
                     piece = leaf[repeat]
                 yield f"layers.{layer}.{_block_rest(m[3])}", piece
+        elif m := re.fullmatch(r"\.dspark\.stages\[(\d+)\](.+)", key):
+            yield f"mtp.{m[1]}.{_block_rest(m[2])}", leaf
+        elif key.startswith(".dspark."):
+            rest = key[len(".dspark.") :]
+            path = next(p for p in _DSPARK_OWN if rest == p or rest.startswith(p + "."))
+            stage, own = _DSPARK_OWN[path]
+            yield f"mtp.{stage % model.config.dspark_stages}.{own}{rest[len(path) :]}", leaf
         elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.block(.+)", key):
             yield f"mtp.{m[1]}.{_block_rest(m[2])}", leaf
         elif m := re.fullmatch(r"\.mtp\[(\d+)\]\.hc_head\.(fn|base|scale)", key):
@@ -177,7 +214,7 @@ def assign(
     slots: dict[str, Slot] = {}
     problems: list[str] = []
     for name, shape, is_int in pieces:
-        target = canonical_to_path(name, skeleton.plan)
+        target = canonical_to_path(name, skeleton.plan, skeleton.config.dspark_stages)
         if target is not None and target[0] + ".values" in number:  # held quantised
             target = (target[0] + ".values", target[1])
         if target is None or target[0] not in number:

@@ -33,17 +33,11 @@ import sys
 import time
 
 from ..parallel import AXES, parse_mesh, parse_rules
+from ._report import estimate, peak, print_table
 
 
-MODELS = ("v4-flash", "v4-pro", "tiny")
-PHASES = ("prefill", "decode", "train")
-# Published per-chip peaks (Google Cloud's TPU pages): dense bf16 FLOP/s, HBM bytes/s.
-TPU_PEAKS = {
-    "v4": (275e12, 1228e9),
-    "v5e": (197e12, 819e9),
-    "v5p": (459e12, 2765e9),
-    "v6e": (918e12, 1640e9),
-}
+MODELS = ("v4-flash", "v4-pro", "v4-flash-0731", "tiny")
+PHASES = ("prefill", "decode", "draft", "train")
 
 
 def parse_policy(texts: list[str]) -> dict[str, object]:
@@ -231,11 +225,16 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
 
     import equinox_dsv4 as ed
 
-    config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro, "tiny": ed.Config.tiny}[
-        args.model
-    ]()
-    if not args.mtp:
-        config = ed.Config.from_hf(config.to_hf(), num_nextn_predict_layers=0)
+    config = {
+        "v4-flash": ed.Config.v4_flash,
+        "v4-pro": ed.Config.v4_pro,
+        "v4-flash-0731": ed.Config.v4_flash_0731,
+        "tiny": ed.Config.tiny,
+    }[args.model]()
+    if "draft" in phases and not config.dspark:
+        raise ValueError(f"--phases draft needs a model with a DSpark drafter, not {args.model}")
+    if not args.mtp and "draft" not in phases:
+        config = config.trunk_only()
     config = dataclasses.replace(config, numerics=args.numerics, scan_layers=not args.unrolled)
     if args.layers:
         config = config.first_layers(args.layers)
@@ -278,7 +277,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "layers": config.num_hidden_layers,
         "remat": args.remat if "train" in phases else None,
         "micro_batches": args.micro_batches if "train" in phases else None,
-        "peak": _peak(args.topology),
+        "peak": peak(args.topology),
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,
@@ -302,10 +301,14 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         file=sys.stderr,
     )
     for phase in phases:
-        tokens = 1 if phase == "decode" else args.prefill
+        tokens = {"decode": 1, "draft": (config.dspark_block_size or 0) + 1}.get(
+            phase, args.prefill
+        )
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
-            if phase == "train":
+            if phase == "draft":
+                lowered = _draft_step(model, batch, max_len, mesh, rows)
+            elif phase == "train":
                 remat = None if args.remat == "none" else args.remat
                 lowered = _train_step(model, batch, tokens, rows, remat, args.micro_batches)
             else:
@@ -337,44 +340,15 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
             "bytes_accessed": cost.get("bytes accessed"),
             "transcendentals": cost.get("transcendentals"),
         }
-        row.update(_estimate(args, config, phase, tokens, batch, len(devices), row))
+        row.update(estimate(args, config, phase, tokens, batch, len(devices), row))
         results["phases"][phase] = row
         print(
             f"{phase}: arguments {row['argument_bytes'] / 2**30:.2f} GiB + temporaries "
             f"{row['temp_bytes'] / 2**30:.2f} GiB per device (compiled in {t2 - t1:.0f} s)",
             file=sys.stderr,
         )
-    _print_table(results)
+    print_table(results)
     return results
-
-
-def _peak(topology: str | None) -> dict | None:
-    chip = (topology or "").split(":")[0]
-    if chip not in TPU_PEAKS:
-        return None
-    flops, hbm = TPU_PEAKS[chip]
-    return {"chip": chip, "bf16_flops_per_s": flops, "hbm_bytes_per_s": hbm}
-
-
-def _estimate(args, config, phase: str, tokens: int, batch: int, devices: int, row) -> dict:
-    """Useful FLOPs per device, and where the chip's peak is known the roofline time and MFU
-    from XLA's cost analysis (an unrolled program's only: a scanned one counts a layer once)."""
-    import equinox_dsv4 as ed
-
-    useful = None  # a decode step's useful work depends on its context: not estimated
-    if phase == "train":
-        useful = ed.train.train_flops(config, tokens)
-    elif phase == "prefill":
-        useful = ed.train.forward_flops(config, tokens)
-    out = {"useful_flops": None if useful is None else useful * batch / devices}
-    peak = _peak(args.topology)
-    if peak is None or not args.unrolled or not row["flops"] or not row["bytes_accessed"]:
-        return out | {"estimate_seconds": None, "mfu_estimate": None}
-    seconds = max(
-        row["flops"] / peak["bf16_flops_per_s"], row["bytes_accessed"] / peak["hbm_bytes_per_s"]
-    )
-    mfu = None if useful is None else out["useful_flops"] / seconds / peak["bf16_flops_per_s"]
-    return out | {"estimate_seconds": seconds, "mfu_estimate": mfu}
 
 
 def _placed(tree, shardings):
@@ -383,6 +357,46 @@ def _placed(tree, shardings):
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
     )
+
+
+def _draft_step(model, batch: int, max_len: int, mesh, rows):
+    """The lowered speculative step with the DSpark drafter (greedy): the main model verifies
+    the pending token and a block of drafts, the verified positions go into the rings, the
+    drafter drafts the next block; caches donated."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import equinox_dsv4 as ed
+
+    drafter, greedy = ed.inference.DSparkDrafter(), ed.Sampling()
+    depth = drafter.depth(model)
+    state = eqx.filter_eval_shape(
+        lambda m: drafter.init(m, batch, max_len, greedy, lambda c: c), model
+    )
+    rings = _placed(state.rings, ed.parallel.cache_shardings(state.rings, mesh))
+    state = eqx.tree_at(lambda s: s.rings, state, rings)
+    state = jax.tree.map(
+        lambda a: (
+            a if a.sharding is not None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows)
+        ),
+        state,
+    )
+    cache = eqx.filter_eval_shape(
+        lambda m: m.init_cache(batch, max_len + depth, rewind=depth), model
+    )
+    cache = _placed(cache, ed.parallel.cache_shardings(cache, mesh))
+    vector = NamedSharding(mesh, PartitionSpec(ed.execution.batch_axes(batch)))
+    pending = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=vector)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def step(model, pending, active, cache, state, key):
+        return ed.inference.speculative_step(
+            model, drafter, pending, active, cache, state, key, greedy
+        )
+
+    return jax.jit(step, donate_argnums=(3, 4)).lower(model, pending, pending, cache, state, key)
 
 
 def _train_step(model, batch: int, tokens: int, rows, remat: str | None, micro_batches: int):
@@ -404,30 +418,3 @@ def _train_step(model, batch: int, tokens: int, rows, remat: str | None, micro_b
     )
     step = ed.make_train_step(optimizer, remat=remat, micro_batches=micro_batches)
     return step.lower(state, data)
-
-
-def _print_table(results: dict) -> None:
-    gib = 2**30
-    ideal = results["parameter_bytes_per_device_ideal"]
-    peak = results["peak"]
-    mfu = f"MFU upper bound ({peak['chip']} peak) |" if peak else ""
-    print(
-        "| phase | trace + lower | compile | arguments / device | (params / devices) "
-        "| temporaries / device | outputs / device | code | FLOPs / device "
-        f"| useful FLOPs / device |{mfu}"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peak else ""))
-    for phase, r in results["phases"].items():
-        flops = f"{r['flops']:.3g}" if r["flops"] else "n/a"
-        useful = f"{r['useful_flops']:.3g}" if r["useful_flops"] else "n/a"
-        if r["mfu_estimate"] is not None:
-            estimate = f" {r['mfu_estimate']:.1%} ({r['estimate_seconds']:.3g} s) |"
-        else:
-            estimate = " n/a (needs --unrolled) |" if peak else ""
-        print(
-            f"| {phase} ({r['tokens_per_sequence']} tok) | {r['trace_lower_seconds']:.1f} s "
-            f"| {r['compile_seconds']:.1f} s | {r['argument_bytes'] / gib:.2f} GiB "
-            f"| {ideal / gib:.2f} GiB (x{r['argument_bytes'] / ideal:.2f}) "
-            f"| {r['temp_bytes'] / gib:.2f} GiB | {r['output_bytes'] / gib:.2f} GiB "
-            f"| {r['generated_code_bytes'] / 2**20:.1f} MiB | {flops} | {useful} |{estimate}"
-        )

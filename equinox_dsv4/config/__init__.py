@@ -9,6 +9,7 @@ May import: nothing of the package.
 
 from ._config import (
     CSA as CSA,
+    DSPARK_FIELDS as DSPARK_FIELDS,
     HASH_MOE as HASH_MOE,
     HCA as HCA,
     LAYER_TYPES as LAYER_TYPES,
@@ -35,4 +36,5 @@ __all__ = [
     "MOE",
     "MLP_LAYER_TYPES",
     "IGNORED_HF_KEYS",
+    "DSPARK_FIELDS",
 ]

@@ -6,6 +6,8 @@ import os
 import pathlib
 from typing import Any
 
+from . import _presets
+
 
 _CONFIG_DIR = pathlib.Path(__file__).parent / "presets"
 
@@ -18,6 +20,14 @@ MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, MOE)
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 NUMERICS = ("exact", "release")
+DSPARK_FIELDS = (
+    "dspark_block_size",
+    "dspark_markov_rank",
+    "dspark_target_layer_ids",
+    "dspark_noise_token_id",
+)
+# Stages of a DSpark drafter when neither the config nor a checkpoint says (the releases' 3).
+DSPARK_STAGES = 3
 
 
 def _field(default: Any = dataclasses.MISSING, *, hf: str | None = "plain", least: int = 1) -> Any:
@@ -102,9 +112,17 @@ class Config:
     max_position_embeddings: int = _field(1048576)
     # --- misc
     rms_norm_eps: float = _field(1e-6)
-    num_nextn_predict_layers: int = _field(1, least=0)
+    num_nextn_predict_layers: int = _field(1, least=0)  # MTP blocks; none with a DSpark drafter
     bos_token_id: int | None = _field(0)
     eos_token_id: int | tuple[int, ...] | None = _field(1, hf="custom")
+    # --- DSpark drafter (V4-Flash-0731, V4-*-DSpark; `None` / 0: no drafter). Its stages are
+    # the checkpoint's `mtp.<i>` blocks, which then hold no MTP block; `dspark_stages` counts
+    # them (config.json's `num_nextn_predict_layers` stays 1 in those releases).
+    dspark_block_size: int | None = _field(None)  # draft slots per block (5)
+    dspark_markov_rank: int | None = _field(None)  # width of the Markov head (256)
+    dspark_target_layer_ids: tuple[int, ...] | None = _field(None, hf="custom")  # context taps
+    dspark_noise_token_id: int | None = _field(None)  # the token of the slots after the first
+    dspark_stages: int = _field(0, hf="custom", least=0)
     # --- checkpoint format (read by the converter; no effect on the computation)
     fp8_block_size: tuple[int, int] | None = _field(None, hf="custom")
     expert_dtype: str | None = _field(None, hf="custom")
@@ -178,6 +196,44 @@ class Config:
             )
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
             raise ValueError(f"rope_scaling must be a YarnScaling, got {self.rope_scaling!r}")
+        self._check_dspark()
+
+    def _check_dspark(self) -> None:
+        values = {name: getattr(self, name) for name in DSPARK_FIELDS}
+        given = sorted(name for name, value in values.items() if value is not None)
+        if not given:
+            if self.dspark_stages:
+                raise ValueError(
+                    f"dspark_stages is {self.dspark_stages} but no dspark_* field is set: "
+                    f"give {list(DSPARK_FIELDS)}"
+                )
+            return
+        if not self.dspark_stages:  # the releases' count when nothing says otherwise
+            object.__setattr__(self, "dspark_stages", DSPARK_STAGES)
+        if len(given) < len(DSPARK_FIELDS):
+            missing = sorted(set(DSPARK_FIELDS) - set(given))
+            raise ValueError(f"a DSpark drafter needs every dspark_* field; missing {missing}")
+        for name in ("dspark_block_size", "dspark_markov_rank"):
+            value = values[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        noise = self.dspark_noise_token_id
+        if isinstance(noise, bool) or not (isinstance(noise, int) and 0 <= noise < self.vocab_size):
+            raise ValueError(
+                f"dspark_noise_token_id must be a token id below vocab_size ({self.vocab_size}), "
+                f"got {noise!r}"
+            )
+        ids = self.dspark_target_layer_ids
+        if (
+            not isinstance(ids, tuple)
+            or not ids
+            or not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in ids)
+            or len(set(ids)) != len(ids)
+        ):
+            raise ValueError(
+                "dspark_target_layer_ids must be a non-empty tuple of distinct decoder layer "
+                f"indices in 0 .. {self.num_hidden_layers - 1}, got {ids!r}"
+            )
 
     # --- derived values
 
@@ -188,6 +244,17 @@ class Config:
         ]
 
     @property
+    def dspark(self) -> bool:
+        """Whether the model has a DSpark drafter."""
+        return self.dspark_stages > 0
+
+    @property
+    def mtp_blocks(self) -> int:
+        """How many MTP blocks the model has: `num_nextn_predict_layers`, or none when the
+        checkpoint's `mtp.<i>` blocks are DSpark stages."""
+        return 0 if self.dspark else self.num_nextn_predict_layers
+
+    @property
     def num_hash_layers(self) -> int:
         return sum(t == HASH_MOE for t in self.mlp_layer_types)
 
@@ -196,16 +263,18 @@ class Config:
     @classmethod
     def v4_flash(cls, **overrides: Any) -> "Config":
         """DeepSeek-V4-Flash (284B total, 13B active), as released."""
-        from ._hf import V4_FLASH
-
-        return cls.from_hf(V4_FLASH, **overrides)
+        return cls.from_hf(_presets.V4_FLASH, **overrides)
 
     @classmethod
     def v4_pro(cls, **overrides: Any) -> "Config":
         """DeepSeek-V4-Pro (1.6T total, 49B active), as released."""
-        from ._hf import V4_PRO
+        return cls.from_hf(_presets.V4_PRO, **overrides)
 
-        return cls.from_hf(V4_PRO, **overrides)
+    @classmethod
+    def v4_flash_0731(cls, **overrides: Any) -> "Config":
+        """DeepSeek-V4-Flash-0731, as released: V4-Flash's trunk with a three-stage DSpark
+        drafter (`dspark_*`) in place of the MTP block."""
+        return cls.from_hf(_presets.V4_FLASH_0731, **overrides)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> "Config":
@@ -220,11 +289,29 @@ class Config:
         everything else unchanged): for smoke runs of a large model on a small machine."""
         if not 0 < layers <= self.num_hidden_layers:
             raise ValueError(f"layers must be in 1..{self.num_hidden_layers}, got {layers}")
+        targets = self.dspark_target_layer_ids
+        if targets is not None and max(targets) >= layers:
+            # The drafter then reads the last layers kept, as the release reads its last three.
+            if layers < len(targets):
+                raise ValueError(
+                    f"a DSpark drafter reads {len(targets)} layers; keep at least that many"
+                )
+            targets = tuple(range(layers - len(targets), layers))
         return dataclasses.replace(
             self,
             num_hidden_layers=layers,
             layer_types=self.layer_types[:layers],
             mlp_layer_types=self.mlp_layer_types[:layers],
+            dspark_target_layer_ids=targets,
+        )
+
+    def trunk_only(self) -> "Config":
+        """The same config without MTP blocks or a DSpark drafter."""
+        return dataclasses.replace(
+            self,
+            num_nextn_predict_layers=0,
+            dspark_stages=0,
+            **{name: None for name in DSPARK_FIELDS},
         )
 
     # --- config.json (both flavours; see `_hf_config`)

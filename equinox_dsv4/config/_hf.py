@@ -9,7 +9,17 @@ import json
 import os
 from typing import Any
 
-from ._config import CSA, HASH_MOE, HCA, MOE, SLIDING, Config, YarnScaling
+from ._config import (
+    CSA,
+    DSPARK_FIELDS,
+    DSPARK_STAGES,
+    HASH_MOE,
+    HCA,
+    MOE,
+    SLIDING,
+    Config,
+    YarnScaling,
+)
 
 
 # Keys that either flavour of config.json may carry and that do not change the computation
@@ -122,6 +132,13 @@ def parse(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
     n_layers = overrides.get("num_hidden_layers", kw.get("num_hidden_layers"))
     n_mtp = kw.get("num_nextn_predict_layers", 1)
+    targets = take("dspark_target_layer_ids")
+    if targets is not None:
+        if not isinstance(targets, list | tuple):
+            raise ValueError(f"dspark_target_layer_ids must be a list of ints, got {targets!r}")
+        kw["dspark_target_layer_ids"] = tuple(targets)
+    stages = take("dspark_stages")
+    dspark = any(kw.get(name) is not None for name in DSPARK_FIELDS)
     head_dim = kw.get("head_dim", 512)
 
     # --- layer schedule
@@ -139,7 +156,14 @@ def parse(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     if layer_types is not None:
         kw["layer_types"] = tuple(layer_types)
     elif ratios is not None:
-        kw.update(_layer_types_from_ratios(ratios, n_layers, n_mtp))
+        known = isinstance(ratios, list) and isinstance(n_layers, int)
+        extra = len(ratios) - n_layers if known else 0
+        if dspark and stages is None and extra > 0:
+            stages = extra  # the release's trailing entries: one per drafter stage
+        trailing = (stages or DSPARK_STAGES) if dspark else n_mtp
+        kw.update(_layer_types_from_ratios(ratios, n_layers, trailing))
+    if stages is not None:  # else `Config` takes the releases' count for a drafter
+        kw["dspark_stages"] = stages
     mlp_types = take("mlp_layer_types")
     n_hash = take("num_hash_layers")
     if mlp_types is not None:
@@ -247,6 +271,12 @@ def dump(config: Config) -> dict[str, Any]:
         }
     if config.expert_dtype is not None:
         out["expert_dtype"] = config.expert_dtype
+    if config.dspark:
+        out["dspark_target_layer_ids"] = list(config.dspark_target_layer_ids or ())
+        out["dspark_stages"] = config.dspark_stages
+    else:
+        for name in DSPARK_FIELDS:
+            out.pop(name, None)
     return out
 
 
@@ -258,11 +288,11 @@ def _layer_types_from_ratios(ratios, n_layers, n_mtp) -> dict[str, Any]:
     if len(ratios) not in (n_layers, n_layers + n_mtp):
         raise ValueError(
             f"compress_ratios has {len(ratios)} entries; expected num_hidden_layers ({n_layers}) "
-            f"or num_hidden_layers + num_nextn_predict_layers ({n_layers + n_mtp})"
+            f"or num_hidden_layers + the MTP or DSpark stages ({n_layers + n_mtp})"
         )
     if any(r != 0 for r in ratios[n_layers:]):
         raise ValueError(
-            f"compress_ratios entries for the MTP block must be 0 (sliding-only), got "
+            f"compress_ratios entries for the MTP or DSpark stages must be 0 (sliding-only), got "
             f"{list(ratios[n_layers:])}"
         )
     ratios = ratios[:n_layers]
@@ -369,81 +399,3 @@ def _parse_quantization(q: Any) -> dict[str, Any]:
     if "expert_dtype" in q:
         out["expert_dtype"] = q["expert_dtype"]
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# presets (released config.json values, official flavour)
-
-_FLASH = dict(
-    hidden_size=4096,
-    num_hidden_layers=43,
-    num_attention_heads=64,
-    q_lora_rank=1024,
-    o_groups=8,
-    index_topk=512,
-    n_routed_experts=256,
-    moe_intermediate_size=2048,
-    routed_scaling_factor=1.5,
-    compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
-)
-_PRO = dict(
-    hidden_size=7168,
-    num_hidden_layers=61,
-    num_attention_heads=128,
-    q_lora_rank=1536,
-    o_groups=16,
-    index_topk=1024,
-    n_routed_experts=384,
-    moe_intermediate_size=3072,
-    routed_scaling_factor=2.5,
-    compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0],
-)
-
-
-def _released(**sizes: Any) -> dict[str, Any]:
-    base = {
-        "vocab_size": 129280,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "o_lora_rank": 1024,
-        "sliding_window": 128,
-        "num_hash_layers": 3,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "num_experts_per_tok": 6,
-        "n_shared_experts": 1,
-        "scoring_func": "sqrtsoftplus",
-        "norm_topk_prob": True,
-        "swiglu_limit": 10.0,
-        "rope_theta": 10000,
-        "compress_rope_theta": 160000,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 16,
-            "original_max_position_embeddings": 65536,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "max_position_embeddings": 1048576,
-        "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 1,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "scale_fmt": "ue8m0",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        },
-        "expert_dtype": "fp4",
-    }
-    base.update(sizes)
-    return base
-
-
-V4_FLASH = _released(**_FLASH)
-V4_PRO = _released(**_PRO)

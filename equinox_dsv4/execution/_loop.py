@@ -48,7 +48,7 @@ class InPlace(typing.NamedTuple):
 
 def run_layers(
     period: Callable[[Any, Any, Any], tuple[Any, Any, Any]],
-    x: Array,
+    x: Any,
     weights: Any,
     caches: Any,
     policy: Policy | None,
@@ -57,8 +57,9 @@ def run_layers(
     scan: bool,
     remat: str | None = None,
     in_place: InPlace | None = None,
-) -> tuple[Array, Any, Any]:
-    """`for r in range(repeats): x, caches[r], stats[r] = period(x, weights[r], caches[r])`.
+) -> tuple[Any, Any, Any]:
+    """`for r in range(repeats): x, caches[r], stats[r] = period(x, weights[r], caches[r])`,
+    `x` a pytree of carried values (the residual streams first).
 
     **Arguments:**
 
@@ -151,7 +152,8 @@ def _python_loop(body, carry, swept, n: int, policy: Policy):
     # is its only layer.
     outs = []
     for r in range(n):
-        i = r if n == 1 or not policy.late_slices else index_after(r, carry[0])
+        after = jax.tree.leaves(carry[0])[0]
+        i = r if n == 1 or not policy.late_slices else index_after(r, after)
         layer = jax.tree.map(lambda a, i=i, r=r: take_layer(a, i, r), swept)
         carry, out = body(carry, (i, layer))
         outs.append(out)

@@ -1,14 +1,20 @@
 """`equinox_dsv4.inference`: generation with the compressed KV cache.
 
 Sampling (`Sampling`, `sample`, the speculative rule `accept_drafts`), the jitted prefill and
-decode steps, `generate` (one host loop for plain and speculative decoding, MTP blocks as the
-drafter), and the cache's size (`cache_bytes`).
+decode steps, `generate` (one host loop for plain and speculative decoding, the MTP blocks or
+the DSpark drafter drafting), and the cache's size (`cache_bytes`).
 
 May import: config, quant, execution, nn, parallel.
 """
 
 from ._drafting import AbstractDrafter as AbstractDrafter, MTPDrafter as MTPDrafter
-from ._generate import decode_step as decode_step, generate as generate, prefill as prefill
+from ._dspark import DSparkDrafter as DSparkDrafter, DSparkState as DSparkState
+from ._generate import (
+    decode_step as decode_step,
+    generate as generate,
+    prefill as prefill,
+    speculative_step as speculative_step,
+)
 from ._sampling import (
     Sampling as Sampling,
     accept_drafts as accept_drafts,
@@ -22,8 +28,11 @@ __all__ = [
     "generate",
     "prefill",
     "decode_step",
+    "speculative_step",
     "AbstractDrafter",
     "MTPDrafter",
+    "DSparkDrafter",
+    "DSparkState",
     "Sampling",
     "sample",
     "filtered_logits",

@@ -1,6 +1,7 @@
 """Drafters for speculative decoding: what proposes the next tokens that one main-model call
 then verifies (`generate(..., speculative=True)`). A drafter plugs into the generation driver
-as an object (`AbstractDrafter`); the one here drafts with the model's MTP blocks.
+as an object (`AbstractDrafter`); the one here drafts with the model's MTP blocks, the DSpark
+drafter's is in `_dspark.py`.
 
 With `J` MTP blocks, each step drafts `J` tokens (depth `j` at the last position, fed the token
 depth `j - 1` drafted) and the main model verifies the pending token and the drafts in one
@@ -39,6 +40,18 @@ class AbstractDrafter(eqx.Module):
     def depth(self, model: DeepseekV4) -> int:
         """Tokens drafted per step."""
 
+    def taps(self, model: DeepseekV4) -> tuple[int, ...]:
+        """Decoder layers after which the drafter reads the main model's streams, averaged
+        (`DeepseekV4.step`'s `taps`); none by default."""
+        del model
+        return ()
+
+    def confidence(self, state: Any) -> Float[Array, "batch depth"] | None:
+        """The drafter's estimate, per draft, that it survives verification given that the
+        drafts before it do (`None`: the drafter makes none)."""
+        del state
+        return None
+
     @abc.abstractmethod
     def init(
         self,
@@ -56,19 +69,21 @@ class AbstractDrafter(eqx.Module):
         self,
         model: DeepseekV4,
         streams: Float[Array, "batch chunk streams d_model"],
+        taps: Float[Array, "batch chunk taps d_model"],
         ahead: Int[Array, "batch chunk_plus_depth"],
         remaining: Int[Array, " batch"],
         state: Any,
     ) -> Any:
         """Take in a chunk of the prompts (positions `s ...`, `remaining[b]` = prompt length -
-        `s`): the main model's final `streams` there and `ahead[:, i]`, the prompt's token
-        `s + 1 + i`."""
+        `s`): the main model's final `streams` there, its stream averages after the layers of
+        `taps(model)`, and `ahead[:, i]`, the prompt's token `s + 1 + i`."""
 
     @abc.abstractmethod
     def draft(
         self,
         model: DeepseekV4,
         streams: Float[Array, "batch rows streams d_model"],
+        taps: Float[Array, "batch rows taps d_model"] | None,
         verified: Int[Array, " batch"],
         ahead: Int[Array, "batch rows"],
         state: Any,
@@ -76,9 +91,10 @@ class AbstractDrafter(eqx.Module):
         sampling: Sampling,
     ) -> Any:
         """Take in the positions just verified and draft the next tokens: `streams[:, i]` are
-        the main model's final streams at the `i`-th position of the step, `verified[b]` how
-        many of them are now verified (0: the row is idle), and `ahead[:, i]` the token after
-        each, verified for `i < verified`."""
+        the main model's final streams at the `i`-th position of the step (and `taps` its
+        stream averages there, `None` for the last prompt position, which `prefill` took in),
+        `verified[b]` how many of them are now verified (0: the row is idle), and
+        `ahead[:, i]` the token after each, verified for `i < verified`."""
 
     @abc.abstractmethod
     def drafts(
@@ -129,6 +145,7 @@ class MTPDrafter(AbstractDrafter):
         self,
         model: DeepseekV4,
         streams: Float[Array, "batch chunk streams d_model"],
+        taps: Float[Array, "batch chunk taps d_model"],
         ahead: Int[Array, "batch chunk_plus_depth"],
         remaining: Int[Array, " batch"],
         state: Drafts,
@@ -154,6 +171,7 @@ class MTPDrafter(AbstractDrafter):
         self,
         model: DeepseekV4,
         streams: Float[Array, "batch rows streams d_model"],
+        taps: Float[Array, "batch rows taps d_model"] | None,
         verified: Int[Array, " batch"],
         ahead: Int[Array, "batch rows"],
         state: Drafts,
@@ -185,7 +203,7 @@ class MTPDrafter(AbstractDrafter):
             caches.append(cache.at_positions(kept))
             last = _rows(h, (p_new - 1 - start)[:, None])
             logits = model.head(last, dtype=jnp.float32)[:, 0]
-            token, q = _draw(logits, jax.random.fold_in(key, j), sampling, model)
+            token, q = draw(logits, jax.random.fold_in(key, j), sampling, model)
             drafted.append(token)
             probs.append(q)
             tokens = jnp.put_along_axis(
@@ -218,7 +236,9 @@ def _rows(x: Array, index: Array) -> Array:
     return jnp.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
-def _draw(logits, key, sampling, model):
+def draw(
+    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling, model: DeepseekV4
+) -> tuple[Int[Array, " batch"], Float[Array, "batch vocab"] | None]:
     # A draft token per row and the distribution it came from (None when greedy).
     if sampling.greedy:
         return sample(logits, key, sampling, policy=model.policy), None

@@ -3,7 +3,8 @@
 The prompts run in chunks through one jitted prefill step (one compiled program whatever the
 prompt length), then one host loop runs one jitted step per iteration (fixed shapes, the caches
 donated): a plain step appends each running row's pending token and samples the next; with a
-drafter (`speculative=True`: the MTP blocks, `_drafting.py`) a step verifies the pending token
+drafter (`speculative="mtp"`: the MTP blocks, `_drafting.py`; `"dspark"`: the DSpark
+drafter, `_dspark.py`) a step verifies the pending token
 and the drafts in one main-model call and drafts again. The loop owns stops, length limits,
 the streaming callback and the statistics. Prompts of different lengths share a batch: each
 sequence keeps its own position in the cache (no left padding, which would shift the
@@ -26,6 +27,7 @@ from ..execution import Policy, with_policy
 from ..nn import DeepseekV4, KVCache
 from ..parallel import committed, shard_cache
 from ._drafting import AbstractDrafter, MTPDrafter, _rows
+from ._dspark import DSparkDrafter
 from ._sampling import Sampling, accept_drafts, sample
 
 
@@ -69,10 +71,36 @@ def decode_step(
     `checked=False` (see `prefill`)."""
     _check_ids(tokens[:, None])
     policy = model.resolved_policy()
-    _, _, token, cache, _ = _step(
+    _, _, token, cache, _, _ = _step(
         model, policy, None, tokens, active, cache, None, key, sampling, checked
     )
     return token, cache
+
+
+@typechecked
+def speculative_step(
+    model: DeepseekV4,
+    drafter: AbstractDrafter,
+    pending: Int[Array, " batch"],
+    active: Int[Array, " batch"],
+    cache: KVCache,
+    drafts: Any,
+    key: PRNGKeyArray,
+    sampling: Sampling,
+) -> tuple[
+    Int[Array, "batch depth_plus_one"], Int[Array, " batch"], Int[Array, " batch"], KVCache, Any
+]:
+    """One step of speculative generation, as `generate` runs it: append each active row's
+    pending token and the drafts after it (`drafter.drafts(drafts)`) in one main-model call,
+    keep the accepted ones, draft again. Jitted with the caches donated.
+
+    **Returns:** `(tokens, counts, pending, cache, drafts)`: row `b`'s new tokens are
+    `tokens[b, :counts[b]]` (0 for an idle row), the last of them the next step's pending
+    token; the cache (from `model.init_cache(..., rewind=depth)`) and the drafter's state."""
+    _check_ids(pending[:, None])
+    policy = model.resolved_policy()
+    out = _step(model, policy, drafter, pending, active, cache, drafts, key, sampling, False)
+    return out[:5]
 
 
 @typechecked
@@ -87,7 +115,7 @@ def generate(
     max_len: int | None = None,
     callback: Callable[[np.ndarray, np.ndarray], None] | None = None,
     prefill_chunk: int = 512,
-    speculative: bool | AbstractDrafter = False,
+    speculative: bool | str | AbstractDrafter = False,
     stats: dict | None = None,
 ) -> list[list[int]]:
     """Generate continuations of a batch of prompts.
@@ -108,13 +136,17 @@ def generate(
       `running[b]` False (for streaming). A speculative step gives a row up to
       `depth + 1` tokens: one call per token column, `running[b]` False for a row with fewer.
     - `prefill_chunk`: prompts are run in chunks of this many tokens (see `prefill`).
-    - `speculative`: `True` drafts with the model's MTP blocks (`MTPDrafter`), or give a
-      drafter; one main-model call per step verifies the drafts: the same tokens when greedy,
-      the same distribution when sampling, in fewer main-model calls where drafts are
-      accepted.
+    - `speculative`: `"mtp"` (or `True`) drafts with the model's MTP blocks (`MTPDrafter`),
+      `"dspark"` with its DSpark drafter (`DSparkDrafter`, a block of `dspark_block_size`
+      drafts per step), or give a drafter; one main-model call per step verifies the drafts:
+      the same tokens when greedy, the same distribution when sampling, in fewer main-model
+      calls where drafts are accepted.
     - `stats`: a dict to fill with `steps` (main-model calls after the prefill), `tokens`
       (generated), and when speculative `drafted` / `accepted` (draft tokens of running
-      rows, and how many were accepted) and `histogram` (steps by accepted drafts).
+      rows, and how many were accepted) and `histogram` (steps by accepted drafts); with a
+      drafter that rates its drafts (DSpark), `confidence_accepted` / `confidence_rejected`:
+      the mean confidence of the accepted drafts and of the drafts verification rejected
+      (the first wrong one of a step; the drafts after it are never judged).
 
     **Returns:** the generated ids per prompt, without the prompt.
     """
@@ -124,11 +156,17 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if sampling.temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    drafter = MTPDrafter() if speculative is True else speculative or None
+    drafter = _drafter(speculative)
     if isinstance(drafter, MTPDrafter) and not model.mtp:
         raise ValueError(
-            "speculative=True drafts with the MTP blocks, and this model has none "
-            "(num_nextn_predict_layers == 0, or loaded without them)"
+            f"speculative={speculative!r} drafts with the MTP blocks, and this model has none "
+            "(num_nextn_predict_layers == 0, a DSpark release, or loaded without them)"
+            + ('; use speculative="dspark"' if model.dspark is not None else "")
+        )
+    if isinstance(drafter, DSparkDrafter) and model.dspark is None:
+        raise ValueError(
+            f"speculative={speculative!r} drafts with the DSpark drafter, and this model has "
+            "none (its config has no dspark_* fields, or it was loaded without it)"
         )
     key = jax.random.key(0) if key is None else key
     longest = max(len(p) for p in prompts)
@@ -182,7 +220,7 @@ def generate(
         while loop.running.any():
             key, sub = jax.random.split(key)
             active = loop.running.copy()
-            tokens, counts, pending, cache, drafts = _step(
+            tokens, counts, pending, cache, drafts, confidence = _step(
                 model,
                 policy,
                 drafter,
@@ -194,7 +232,7 @@ def generate(
                 sampling,
                 False,
             )
-            loop.step(*jax.device_get((tokens, counts)), active)
+            loop.step(*jax.device_get((tokens, counts, confidence)), active)
     if stats is not None:
         stats.update(loop.stats(speculative=drafter is not None))
     return loop.out
@@ -212,6 +250,7 @@ class _Loop:
         self.limit = np.minimum(max_new_tokens, np.maximum(max_len - lengths, 1))
         self.depth, self.stops, self.callback = depth, stops, callback
         self.counters = {"steps": 0, "drafted": 0, "accepted": 0, "histogram": [0] * (depth + 1)}
+        self.confidence = {"accepted": [0.0, 0], "rejected": [0.0, 0]}  # sum, count
 
     def take(self, tokens: np.ndarray, has: np.ndarray) -> None:
         stopped = has & np.isin(tokens, self.stops)
@@ -223,8 +262,15 @@ class _Loop:
             self.callback(tokens, kept)
         self.running[stopped | (self.produced >= self.limit)] = False
 
-    def step(self, tokens: np.ndarray, counts: np.ndarray, active: np.ndarray) -> None:
+    def step(self, tokens, counts, confidence, active: np.ndarray) -> None:
         accepted = counts[active] - 1
+        if confidence is not None:
+            rated = confidence[active]
+            kept = np.arange(self.depth)[None] < accepted[:, None]
+            first_wrong = np.arange(self.depth)[None] == accepted[:, None]
+            for name, where in (("accepted", kept), ("rejected", first_wrong)):
+                self.confidence[name][0] += float(rated[where].sum())
+                self.confidence[name][1] += int(where.sum())
         self.counters["steps"] += 1
         self.counters["drafted"] += self.depth * int(active.sum())
         self.counters["accepted"] += int(accepted.sum())
@@ -237,7 +283,12 @@ class _Loop:
         tokens = sum(len(o) for o in self.out)
         if not speculative:
             return {"steps": self.counters["steps"], "tokens": tokens}
-        return {**self.counters, "tokens": tokens}
+        rated = {
+            f"confidence_{name}": total / count if count else float("nan")
+            for name, (total, count) in self.confidence.items()
+        }
+        rated = rated if any(count for _, count in self.confidence.values()) else {}
+        return {**self.counters, **rated, "tokens": tokens}
 
 
 def _prefill(model, policy, drafter, ids, lengths, cache, drafts, chunk, checked):
@@ -287,9 +338,9 @@ def _prefill_chunk(
     if drafter is None:
         logits, cache = model.decode_inline(ids, cache, count, last_only=True, checked=checked)
         return logits[:, 0], None, cache, None
-    x, cache, _ = model.step(ids, cache, count, in_place=True)
+    x, cache, _, taps = model.step(ids, cache, count, in_place=True, taps=drafter.taps(model))
     last = _rows(x, jnp.maximum(count - 1, 0)[:, None])
-    drafts = drafter.prefill(model, x, ahead, remaining, drafts)
+    drafts = drafter.prefill(model, x, taps, ahead, remaining, drafts)
     return model.logits(last)[:, 0], last[:, 0], cache, drafts
 
 
@@ -302,7 +353,7 @@ def _first(model, policy, drafter, logits, streams, drafts, sample_key, draft_ke
     if drafter is not None:
         ones = jnp.ones_like(first)
         drafts = drafter.draft(
-            model, streams[:, None], ones, first[:, None], drafts, draft_key, sampling
+            model, streams[:, None], None, ones, first[:, None], drafts, draft_key, sampling
         )
     return first, drafts
 
@@ -320,32 +371,56 @@ def _step(
     sampling: Sampling,
     checked: bool,
 ) -> tuple[
-    Int[Array, "batch depth_plus_one"], Int[Array, " batch"], Int[Array, " batch"], Any, Any
+    Int[Array, "batch depth_plus_one"],
+    Int[Array, " batch"],
+    Int[Array, " batch"],
+    Any,
+    Any,
+    Float[Array, "batch depth"] | None,
 ]:
     # One step: append each active row's pending token (and verify the drafts after it), keep
-    # what is accepted, draft again. Returns (tokens, counts, pending, cache, drafts): row b's
-    # new tokens are tokens[b, :counts[b]] (counts[b] = 0 for an idle row), the last of them
-    # the next step's pending token (not yet in the cache).
+    # what is accepted, draft again. Returns (tokens, counts, pending, cache, drafts,
+    # confidence): row b's new tokens are tokens[b, :counts[b]] (counts[b] = 0 for an idle
+    # row), the last of them the next step's pending token (not yet in the cache);
+    # `confidence` the drafter's rating of the drafts this step verified (or None).
     model = with_policy(model, policy)
     if drafter is None:
         logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=checked)
         token = sample(logits[:, 0], key, sampling, policy=policy)
-        return token[:, None], active, token, cache, None
+        return token[:, None], active, token, cache, None, None
     tokens, probs = drafter.drafts(drafts)
+    confidence = drafter.confidence(drafts)
     ids = jnp.concatenate([pending[:, None], tokens], axis=1)
     start = cache.positions
-    x, cache, _ = model.step(ids, cache, active * ids.shape[1], in_place=True)
+    x, cache, _, taps = model.step(
+        ids, cache, active * ids.shape[1], in_place=True, taps=drafter.taps(model)
+    )
     v_key, d_key = jax.random.split(key)
     accepted, out = accept_drafts(model.logits(x), tokens, probs, v_key, sampling, policy=policy)
     counts = active * (accepted + 1)
     cache = cache.at_positions(start + counts)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
     pending = jnp.where(active > 0, last, pending)
-    drafts = drafter.draft(model, x, counts, out, drafts, d_key, sampling)
-    return out, counts, pending, cache, drafts
+    drafts = drafter.draft(model, x, taps, counts, out, drafts, d_key, sampling)
+    return out, counts, pending, cache, drafts, confidence
 
 
 _sample = eqx.filter_jit(sample)
+
+
+def _drafter(speculative: bool | str | AbstractDrafter) -> AbstractDrafter | None:
+    if isinstance(speculative, AbstractDrafter):
+        return speculative
+    if speculative is True or speculative == "mtp":
+        return MTPDrafter()
+    if speculative == "dspark":
+        return DSparkDrafter()
+    if speculative is False:
+        return None
+    raise ValueError(
+        f"speculative must be False, True, 'mtp', 'dspark' or an AbstractDrafter, got "
+        f"{speculative!r}"
+    )
 
 
 def _check_ids(ids: Array) -> None:

@@ -1,8 +1,8 @@
 """`equinox_dsv4.nn`: DeepSeek-V4's math as Equinox modules.
 
 The components (attention with its compressors and Lightning Indexer, mHC, the MoE and its
-routed experts, the decoder block, the MTP block), the layer stack, the whole model
-`DeepseekV4`, and the decoding state they read and write (`KVCache`). Each reads as the
+routed experts, the decoder block, the MTP block, the DSpark drafter), the layer stack, the
+whole model `DeepseekV4`, and the decoding state they read and write (`KVCache`). Each reads as the
 DeepSeek-V4 report's equations; how a computation runs on a backend is `execution`'s.
 
 May import: config, quant, execution.
@@ -19,6 +19,7 @@ from ._cache import (
     window_slots as window_slots,
 )
 from ._compressor import CSACompressor as CSACompressor, HCACompressor as HCACompressor
+from ._dspark import DraftBlock as DraftBlock, DSpark as DSpark
 from ._experts import Experts as Experts
 from ._hyper import HyperConnection as HyperConnection, HyperHead as HyperHead, sinkhorn as sinkhorn
 from ._indexer import LightningIndexer as LightningIndexer
@@ -56,6 +57,8 @@ __all__ = [
     "RouterStats",
     "Stats",
     "MTPBlock",
+    "DSpark",
+    "DraftBlock",
     "Embedding",
     "Linear",
     "RMSNorm",

@@ -266,13 +266,7 @@ class Attention(eqx.Module):
         b, t, _ = x.shape
         w = self.window
         positions = chunk.positions(t)
-        n = self.numerics
-        xq = act_quant(x, n)  # once: wq_a and wkv read the same FP8 activations
-        qr = self.q_norm(self.wq_a(xq))
-        q = self.wq_b(act_quant(qr, n)).reshape(b, t, self.n_heads, self.head_dim)
-        q = self.rope(rms_normalize(q, self.eps), positions)
-        kv = self.rope(self.kv_norm(self.wkv(xq)), positions)
-        kv = kv_round_trip(kv, self.rope_dim, n)
+        q, qr, kv = self.project(x, positions)
 
         # The ring holds position p in slot p % slots: the window before the chunk, oldest
         # first.
@@ -299,6 +293,25 @@ class Attention(eqx.Module):
         o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks)
         out = self.project_out(self.rope(o, positions, inverse=True))
         return out, LayerCache(ring, compressor_state, indexer_state)
+
+    def project(
+        self, x: Float[Array, "batch seq d_model"], positions: Int[Array, "batch seq"]
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq q_lora"],
+        Float[Array, "batch seq head_dim"],
+    ]:
+        """The queries (normed per head, rotated), the low-rank query before `wq_b` (the
+        indexer reads it) and the K=V entries (rotated; FP8 round trip of their non-RoPE dims
+        under release numerics) of normed inputs `x` at `positions`."""
+        b, t, _ = x.shape
+        n = self.numerics
+        xq = act_quant(x, n)  # once: wq_a and wkv read the same FP8 activations
+        qr = self.q_norm(self.wq_a(xq))
+        q = self.wq_b(act_quant(qr, n)).reshape(b, t, self.n_heads, self.head_dim)
+        q = self.rope(rms_normalize(q, self.eps), positions)
+        kv = self.rope(self.kv_norm(self.wkv(xq)), positions)
+        return q, qr, kv_round_trip(kv, self.rope_dim, n)
 
     def project_out(
         self, o: Float[Array, "batch seq heads head_dim"]

@@ -12,6 +12,7 @@ from .._typecheck import typechecked
 from ..config import Config, LayerPlan
 from ..execution import Policy, constrain_batch, policy_field, with_policy
 from ._cache import Chunk, KVCache
+from ._dspark import DSpark
 from ._hyper import HyperHead
 from ._layers import Embedding, Linear, RMSNorm
 from ._moe import RouterStats
@@ -45,6 +46,7 @@ class DeepseekV4(eqx.Module):
     norm: RMSNorm
     head: Linear
     mtp: tuple[MTPBlock, ...]
+    dspark: DSpark | None
     config: Config = eqx.field(static=True)
     plan: LayerPlan = eqx.field(static=True)
     policy: Policy | None = policy_field()
@@ -61,6 +63,9 @@ class DeepseekV4(eqx.Module):
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             raise ValueError(f"dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}")
         e_key, h_key, hc_key, layers_key, mtp_key = jr.split(key, 5)
+        # A DSpark drafter's key: not a sixth split, so the other weights stay those of the
+        # same config without one.
+        d_key = jr.fold_in(key, 1 << 20)
         layer_keys = jax.vmap(lambda i: jr.fold_in(layers_key, i))(
             jnp.arange(config.num_hidden_layers)
         )
@@ -74,9 +79,9 @@ class DeepseekV4(eqx.Module):
             config.hidden_size, config.vocab_size, ("vocab", "embed"), key=h_key, dtype=dtype
         )
         self.mtp = tuple(
-            MTPBlock(config, key=k, dtype=dtype)
-            for k in jr.split(mtp_key, config.num_nextn_predict_layers)
+            MTPBlock(config, key=k, dtype=dtype) for k in jr.split(mtp_key, config.mtp_blocks)
         )
+        self.dspark = DSpark(config, key=d_key, dtype=dtype) if config.dspark else None
         self.config = config
         self.plan = plan
         self.policy = None
@@ -118,7 +123,7 @@ class DeepseekV4(eqx.Module):
         _check_ids(input_ids)
         b, s = input_ids.shape
         cache = self.init_cache(b, s, self.embed.weight.dtype)
-        x, _, stats = self.step(input_ids, cache, jnp.full((b,), s, jnp.int32), remat=remat)
+        x, _, stats, _ = self.step(input_ids, cache, jnp.full((b,), s, jnp.int32), remat=remat)
         return x, stats
 
     @typechecked
@@ -195,7 +200,7 @@ class DeepseekV4(eqx.Module):
         count = jnp.full((b,), t, jnp.int32) if num_tokens is None else num_tokens
         if checked:
             cache = _checked(cache, count, t)
-        x, cache, _ = self.step(input_ids, cache, count, in_place=True)
+        x, cache, _, _ = self.step(input_ids, cache, count, in_place=True)
         if last_only:
             last = jnp.maximum(count - 1, 0)[:, None, None, None]
             x = jnp.take_along_axis(x, last, axis=1)
@@ -209,25 +214,34 @@ class DeepseekV4(eqx.Module):
         *,
         remat: str | None = None,
         in_place: bool = False,
-    ) -> tuple[Float[Array, "batch chunk streams d_model"], KVCache, Stats]:
+        taps: tuple[int, ...] = (),
+    ) -> tuple[
+        Float[Array, "batch chunk streams d_model"],
+        KVCache,
+        Stats,
+        Float[Array, "batch chunk taps d_model"],
+    ]:
         """The decoder layers on a chunk appended to `cache` (the first `count[b]` tokens of
         row `b` real, at positions `cache.positions[b] ...`): the final streams, the cache,
-        and each layer's `RouterStats`. `remat`: see `forward`; `in_place`: see
-        `LayerStack.step`."""
+        each layer's `RouterStats`, and the streams averaged after each layer of `taps` (the
+        DSpark drafter's context; `[batch, chunk, 0, d_model]` for none). `remat`: see
+        `forward`; `in_place`: see `LayerStack.step`."""
         chunk = Chunk(cache.positions, count)
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
         x = constrain_batch(x)
-        new, stats = [], []
+        new, stats, tapped = [], [], {}
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
-            x, layer_cache, s = layer.step(
-                x, input_ids, chunk, layer_cache, remat=remat, in_place=in_place
+            x, layer_cache, s, t = layer.step(
+                x, input_ids, chunk, layer_cache, remat=remat, in_place=in_place, taps=taps
             )
             x = constrain_batch(x)
             new.append(layer_cache)
             stats.append(s)
+            tapped.update(t)
         new_cache = KVCache(tuple(new), chunk.start + count, cache.max_len, cache.max_rewind)
-        return x, new_cache, tuple(stats)
+        out = jnp.stack([tapped[i] for i in taps], axis=2) if taps else x[:, :, :0, :]
+        return x, new_cache, tuple(stats), out
 
     def logits(
         self, streams: Float[Array, "batch seq streams d_model"]

@@ -31,6 +31,7 @@ class LayerStack(eqx.Module):
     `scan`: whether the repeats run under `lax.scan` or a Python loop (`Config.scan_layers`)."""
 
     blocks: tuple[Block, ...]
+    start: int = eqx.field(static=True)
     repeats: int = eqx.field(static=True)
     scan: bool = eqx.field(static=True)
     policy: Policy | None = policy_field()
@@ -50,6 +51,7 @@ class LayerStack(eqx.Module):
             make(kind, layer_keys[jnp.array([segment.layer(p, r) for r in range(segment.repeats)])])
             for p, kind in enumerate(segment.period)
         )
+        self.start = segment.start
         self.repeats = segment.repeats
         self.scan = config.scan_layers
         self.policy = None
@@ -76,8 +78,12 @@ class LayerStack(eqx.Module):
         *,
         remat: str | None = None,
         in_place: bool = False,
+        taps: tuple[int, ...] = (),
     ) -> tuple[
-        Float[Array, "batch chunk streams d_model"], tuple[LayerCache, ...], tuple[RouterStats, ...]
+        Float[Array, "batch chunk streams d_model"],
+        tuple[LayerCache, ...],
+        tuple[RouterStats, ...],
+        dict[int, Float[Array, "batch chunk d_model"]],
     ]:
         """Applies the `repeats x period` layers in order to a chunk (see `Block.step`).
 
@@ -88,25 +94,41 @@ class LayerStack(eqx.Module):
         period's saved inputs would hold the whole stacked entries) they are sliced out and
         stacked anew with the rest of each layer's cache.
 
-        **Returns:** `(streams, caches, stats)`, caches and stats stacked along `repeats`."""
+        `taps`: decoder layers (of the whole model) after which to average the streams (the
+        DSpark drafter's context); those of this stack are returned.
+
+        **Returns:** `(streams, caches, stats, tapped)`, caches and stats stacked along
+        `repeats`, `tapped` the stream averages by layer."""
         # A scanned stack's experts are slices of the stack: values, which a decode step's
         # loop over assignments would copy whole (`Policy.gather_experts`).
         policy = resolve(self.policy)
         inner = dataclasses.replace(policy, gather_experts=self.repeats > 1)
         blocks = with_policy(self.blocks, inner)
 
-        def period(x, blocks, caches):
+        # Tapped layers here, as (period position, repeat); their averages ride in the carry.
+        width = len(self.blocks)
+        mine = [t for t in taps if 0 <= t - self.start < width * self.repeats]
+        where = [divmod(t - self.start, width)[::-1] for t in mine]
+
+        def period(carry, blocks, caches):
+            x, tapped, r = carry
+            tapped = list(tapped)
             new, stats = [], []
-            for block, cache in zip(blocks, caches, strict=True):
+            for p, (block, cache) in enumerate(zip(blocks, caches, strict=True)):
                 x, cache, s = block.step(x, ids, chunk, cache)
                 x = constrain_batch(x)
+                for i, (tp, tr) in enumerate(where):
+                    if tp == p:
+                        mean = jnp.mean(x.astype(jnp.float32), axis=-2).astype(x.dtype)
+                        tapped[i] = jnp.where(r == tr, mean, tapped[i])
                 new.append(cache)
                 stats.append(s)
-            return x, tuple(new), tuple(stats)
+            return (x, tuple(tapped), r + 1), tuple(new), tuple(stats)
 
-        return run_layers(
+        zeros = jnp.zeros((*x.shape[:2], x.shape[-1]), x.dtype)
+        (x, tapped, _), caches, stats = run_layers(
             period,
-            x,
+            (x, (zeros,) * len(mine), jnp.zeros((), jnp.int32)),
             blocks,
             caches,
             policy,
@@ -115,6 +137,7 @@ class LayerStack(eqx.Module):
             remat=remat,
             in_place=_ENTRIES if in_place else None,
         )
+        return x, caches, stats, dict(zip(mine, tapped, strict=True))
 
 
 def _split(caches: tuple[LayerCache, ...]):

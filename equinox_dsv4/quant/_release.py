@@ -2,10 +2,11 @@
 and models whose weights stay that way in memory.
 
 As released, the attention projections (`wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`), the indexer's
-`wq_b`, the shared experts and the MTP block's `e_proj`/`h_proj` are FP8 e4m3 in 128 x 128
-blocks, and the routed experts FP4 e2m1 in 1 x 32 blocks. Everything else (embedding, head,
-norms, mHC, compressors, the indexer's `weights_proj`, the router) is stored in bf16 or fp32 and
-stays a dense array here.
+`wq_b`, the shared experts, the MTP block's `e_proj`/`h_proj` and the DSpark drafter's
+`main_proj` are FP8 e4m3 in 128 x 128 blocks, and the routed experts FP4 e2m1 in 1 x 32
+blocks. Everything else (embedding, head, norms, mHC, compressors, the indexer's
+`weights_proj`, the router, the DSpark Markov and confidence heads) is stored in bf16 or fp32
+and stays a dense array here.
 """
 
 import re
@@ -29,6 +30,7 @@ _FP8 = re.compile(
     r".*\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight"
     r"|.*\.ffn\.shared_experts\.w[123]\.weight"
     r"|\.mtp\[\d+\]\.(e_proj|h_proj)\.weight"
+    r"|\.dspark\.main_proj\.weight"
 )
 _FP4 = re.compile(r".*\.ffn\.experts\.w[123]")
 DEFAULT_BLOCK = (128, 128)

@@ -1,14 +1,15 @@
 """`equinox_dsv4.train`: training.
 
-The losses (next-token, MTP, sequence-wise balance) and the auxiliary-loss-free router-bias
-update, the optimizer, the jitted train step with rematerialisation and gradient accumulation,
-train states (fresh, abstract for ahead-of-time compiles, saved and restored), and the useful
-FLOPs that MFU figures divide by.
+The losses (next-token, MTP, sequence-wise balance; the DSpark drafter's on a frozen trunk) and
+the auxiliary-loss-free router-bias update, the optimizer, the jitted train steps with
+rematerialisation and gradient accumulation, train states (fresh, abstract for ahead-of-time
+compiles, saved and restored), and the useful FLOPs that MFU figures divide by.
 
 May import: config, quant, execution, nn, parallel.
 """
 
 from ..execution import REMAT_POLICIES as REMAT_POLICIES
+from ._dspark import dspark_loss as dspark_loss, make_dspark_train_step as make_dspark_train_step
 from ._flops import (
     active_parameters as active_parameters,
     forward_flops as forward_flops,
@@ -39,6 +40,8 @@ __all__ = [
     "TrainStep",
     "make_optimizer",
     "make_train_step",
+    "make_dspark_train_step",
+    "dspark_loss",
     "init_train_state",
     "abstract_train_state",
     "save_train_state",

@@ -64,16 +64,19 @@ class TrainState(eqx.Module):
 
 
 @typechecked
-def trainable(model: DeepseekV4) -> PyTree[bool]:
+def trainable(model: DeepseekV4, *, drafter_only: bool = False) -> PyTree[bool]:
     """The filter of the leaves the optimizer trains: every floating-point array except the
     routers' selection biases and the release's quantised weights (`QuantizedWeight` values
     and scales stay frozen: a model loaded with `quantized=True` fine-tunes its dense
-    leaves)."""
+    leaves). A DSpark drafter's leaves are trained only with `drafter_only`, and then only
+    they (a frozen trunk): the main model's losses do not read them, and weight decay would
+    shrink them."""
 
     def visit(path, leaf):
         if isinstance(leaf, QuantizedWeight):
             return jax.tree.map(lambda _: False, leaf)
-        frozen = jax.tree_util.keystr(path).endswith(".ffn.gate.bias")
+        key = jax.tree_util.keystr(path)
+        frozen = key.endswith(".ffn.gate.bias") or key.startswith(".dspark") != drafter_only
         return eqx.is_inexact_array(leaf) and not frozen
 
     return jax.tree_util.tree_map_with_path(

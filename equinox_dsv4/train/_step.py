@@ -56,9 +56,12 @@ def make_optimizer(
 
 
 @typechecked
-def init_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation) -> TrainState:
-    """A fresh `TrainState` at step 0 (the optimizer state sharded like the parameters)."""
-    params = eqx.filter(model, trainable(model))
+def init_train_state(
+    model: DeepseekV4, optimizer: optax.GradientTransformation, *, drafter_only: bool = False
+) -> TrainState:
+    """A fresh `TrainState` at step 0 (the optimizer state sharded like the parameters);
+    `drafter_only`: for `make_dspark_train_step` (the optimizer state of the drafter only)."""
+    params = eqx.filter(model, trainable(model, drafter_only=drafter_only))
     with jax.numpy_dtype_promotion("standard"):
         opt_state = eqx.filter_jit(optimizer.init)(params)
     state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
@@ -76,8 +79,10 @@ def init_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation)
 
 
 @typechecked
-def abstract_train_state(model: DeepseekV4, optimizer: optax.GradientTransformation) -> TrainState:
-    """The `TrainState` that `init_train_state(model, optimizer)` would give, as
+def abstract_train_state(
+    model: DeepseekV4, optimizer: optax.GradientTransformation, *, drafter_only: bool = False
+) -> TrainState:
+    """The `TrainState` that `init_train_state(model, optimizer, drafter_only=...)` would give, as
     `jax.ShapeDtypeStruct`s, for a `model` of `ShapeDtypeStruct`s (`eqx.filter_eval_shape`,
     placed with `named_shardings`): nothing is allocated. Every copy of the parameters in the
     optimizer state (Adam's moments) takes the parameters' shardings, leaf by leaf, and the
@@ -90,8 +95,10 @@ def abstract_train_state(model: DeepseekV4, optimizer: optax.GradientTransformat
     def is_abstract(x: Any) -> bool:
         return isinstance(x, jax.ShapeDtypeStruct)
 
-    state = eqx.filter_eval_shape(init_train_state, model, optimizer)
-    spec = eqx.filter_eval_shape(trainable, model)
+    state = eqx.filter_eval_shape(
+        lambda m: init_train_state(m, optimizer, drafter_only=drafter_only), model
+    )
+    spec = eqx.filter_eval_shape(lambda m: trainable(m, drafter_only=drafter_only), model)
     leaves = [x for x in jax.tree.leaves(model, is_leaf=is_abstract) if is_abstract(x)]
     meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
     if len(meshes) != 1 or len(leaves) != sum(x.sharding is not None for x in leaves):
