@@ -694,11 +694,12 @@ def _quantized(data: dict) -> str:
 
 def speculative_table(rows: list[dict]) -> str:
     """The table `speculative.py` prints and writes: a row per (trained model, sampling, batch)."""
-    header = ["trained (lm / mtp loss)", "batch", "sampling", "plain tokens/s"]
+    header = ["drafter", "trained (lm / mtp loss)", "batch", "sampling", "plain tokens/s"]
     header += ["speculative tokens/s", "speed-up", "acceptance", "tokens / main call"]
     header += ["step cost (spec / plain)"]
     lines = [
         [
+            r.get("drafter", "mtp"),
             f"{r['trained_steps']} steps ({r['lm']:.2f} / {r['mtp']:.2f})",
             r["batch"],
             r["sampling"],
@@ -720,7 +721,13 @@ def _speculative(data: dict) -> str:
         t = data["training"]
         intro = f"Trained {t['steps']} steps in {t['seconds']:.0f} s"
         intro += f" on {data['text_tokens']} tokens" if "text_tokens" in data else ""
-        intro += ".\n\n"
+        intro += "."
+        if "dspark_training" in data:
+            d = data["dspark_training"]
+            intro += (
+                f" DSpark drafter: {d['steps']} steps on the frozen trunk in {d['seconds']:.0f} s."
+            )
+        intro += "\n\n"
     return intro + speculative_table(data["rows"])
 
 
@@ -801,17 +808,18 @@ def _tpu_memory(data: dict) -> str:
     lines = []
     for r in data["rows"]:
         if "error" in r:
-            lines.append([r["name"], "-", "-", "-", "-", "-", "-", _refusal(r["error"])])
+            name = r["name"] + (f" ({r['recorded']})" if "recorded" in r else "")
+            lines.append([name, "-", "-", "-", "-", "-", "-", "-", _refusal(r["error"])])
             continue
         weights = "FP8/FP4" if r["quantized"] else "bf16"
         weights += f", {r['numerics']} numerics" if r.get("numerics") == "release" else ""
         cells = [
-            r["name"],
+            r["name"] + (f" ({r['recorded']})" if "recorded" in r else ""),
             f"{r['model']}, {weights}",
             f"{r['devices']} ({r['topology']}), {mesh_text(r['mesh'])}",
             f"{r['parameter_bytes_per_device_ideal'] / GIB:.2f} GiB",
         ]
-        for phase in ("prefill", "decode", "train"):
+        for phase in ("prefill", "decode", "draft", "train"):
             p = r["phases"].get(phase)
             if p is None:
                 cells.append("-")
@@ -819,8 +827,9 @@ def _tpu_memory(data: dict) -> str:
             a, t = p["argument_bytes"] / GIB, p["temp_bytes"] / GIB
             cells.append(f"{a:.2f} + {t:.2f} = {a + t:.2f} GiB")
         lines.append(cells + ["-"])
-    header = ["run", "model, weights", "chips (topology), mesh", "weights / chips"]
+    header = ["run (recorded)", "model, weights", "chips (topology), mesh", "weights / chips"]
     header += ["prefill: arguments + temporaries", "decode: arguments + temporaries"]
+    header += ["draft step (DSpark): arguments + temporaries"]
     header += ["train step: arguments + temporaries", "compiler refused"]
     return markdown(header, lines)
 

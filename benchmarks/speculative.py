@@ -1,11 +1,13 @@
-"""Speculative decoding with the MTP block against plain decoding, on a model that has learnt
-something: random weights accept no drafts.
+"""Speculative decoding with the MTP block and with a DSpark drafter against plain decoding, on
+a model that has learnt something: random weights accept no drafts.
 
 A small model (the embedded tiny default's layer pattern, hidden 128, one MTP block) is trained
 here with `ed.make_train_step` (next-token and MTP losses, AdamW) on tests/data/overfit.txt,
 tokenised with the real tokenizer and renumbered densely (a head of the text's own
-vocabulary). Then `ed.generate` continues prompts cut from the text, plain and with
-`speculative=True`, greedy and sampled, at batch 1 and 8; the plain and speculative runs
+vocabulary). A DSpark drafter (three stages reading the last three layers, blocks of 5, as
+V4-Flash-0731's) is then trained on the frozen trunk with `ed.train.make_dspark_train_step`.
+Then `ed.generate` continues prompts cut from the text, plain, with `speculative="mtp"` and
+with `speculative="dspark"` (the same trunk), greedy and sampled, at batch 1 and 8; the runs
 alternate, each timed after a warm-up run that compiles. Greedy outputs are checked equal.
 
 The text is 2,000 tokens and the model memorises much of it, so its drafts are accepted more
@@ -13,12 +15,13 @@ often than a real model's on new text: the acceptance here is a high one. What a
 against a plain one (the verify call's extra positions, the MTP block, the sampling rule) is
 what this CPU shows whatever the acceptance.
 
-    python benchmarks/speculative.py [--steps 400] [--new-tokens 96] [--repeats 3]
+    python benchmarks/speculative.py [--steps 400] [--dspark-steps 300] [--repeats 3]
 
 Writes benchmarks/results/speculative.{json,md}.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -75,10 +78,51 @@ def train(tokens: np.ndarray, vocab: int, steps: int, seq_len: int, batch: int, 
     return kept, history
 
 
-def measure(model, prompts, new_tokens: int, sampling: ed.Sampling, repeats: int) -> dict:
+DSPARK = dict(
+    dspark_block_size=5,
+    dspark_markov_rank=32,
+    dspark_target_layer_ids=(6, 7, 8),
+    dspark_noise_token_id=0,
+    dspark_stages=3,
+)
+
+
+def train_dspark(trunk, tokens: np.ndarray, steps: int, seq_len: int, batch: int):
+    """A DSpark drafter trained on `trunk` (frozen): the model with it, and the loss history."""
+    config = dataclasses.replace(trunk.config, **DSPARK)
+    model = ed.DeepseekV4(config, key=jax.random.key(1))
+    shared = ("embed", "layers", "hc_head", "norm", "head")
+    # Copies: the drafter's steps donate their state, and the MTP model keeps the trunk's.
+    trunk_parts = [
+        jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, getattr(trunk, n))
+        for n in shared
+    ]
+    model = eqx.tree_at(lambda m: [getattr(m, n) for n in shared], model, trunk_parts)
+    opt = ed.make_optimizer(
+        3e-3, warmup_steps=min(20, steps // 2), total_steps=steps, weight_decay=0.0
+    )
+    state = ed.init_train_state(model, opt, drafter_only=True)
+    step = ed.train.make_dspark_train_step(opt, anchors=16)
+    rng = np.random.default_rng(1)
+    history = []
+    bar = tqdm(range(1, steps + 1), desc="training the DSpark drafter", unit="step")
+    for i in bar:
+        starts = rng.integers(0, len(tokens) - seq_len - 1, batch)
+        rows = np.stack([tokens[s : s + seq_len + 1] for s in starts])
+        state, metrics = step(state, ed.Batch.from_tokens(rows))
+        if i % 10 == 0 or i == steps:
+            terms = {k: float(metrics[k]) for k in ("ce", "tv", "confidence", "accept")}
+            history.append({"step": i, **terms})
+            bar.set_postfix(ce=f"{terms['ce']:.3f}", accept=f"{terms['accept']:.2f}")
+    return state.model, history
+
+
+def measure(
+    model, prompts, new_tokens: int, sampling: ed.Sampling, repeats: int, drafter: str
+) -> dict:
     key = jax.random.key(1)
 
-    def run(speculative: bool):
+    def run(speculative: bool | str):
         stats: dict = {}
         start = time.perf_counter()
         out = ed.generate(
@@ -92,21 +136,25 @@ def measure(model, prompts, new_tokens: int, sampling: ed.Sampling, repeats: int
         )
         return time.perf_counter() - start, out, stats
 
-    run(False), run(True)  # compile
-    times: dict[bool, list[float]] = {False: [], True: []}
+    run(False), run(drafter)  # compile
+    times: dict[bool | str, list[float]] = {False: [], drafter: []}
     last = {}
     for _ in range(repeats):
-        for speculative in (False, True):
+        for speculative in (False, drafter):
             seconds, out, stats = run(speculative)
             times[speculative].append(seconds)
             last[speculative] = out, stats
-    (plain_out, plain_stats), (spec_out, spec_stats) = last[False], last[True]
+    (plain_out, plain_stats), (spec_out, spec_stats) = last[False], last[drafter]
     if sampling.greedy:
         assert spec_out == plain_out, "greedy speculative output differs from plain"
     tokens = sum(len(o) for o in spec_out)
-    plain_s, spec_s = statistics.median(times[False]), statistics.median(times[True])
+    plain_s, spec_s = statistics.median(times[False]), statistics.median(times[drafter])
     plain_tokens = sum(len(o) for o in plain_out)
+    rated = {
+        k: spec_stats[k] for k in ("confidence_accepted", "confidence_rejected") if k in spec_stats
+    }
     return {
+        "drafter": drafter,
         "batch": len(prompts),
         "sampling": "greedy" if sampling.greedy else f"T={sampling.temperature}",
         "plain_tokens_per_s": plain_tokens / plain_s,
@@ -119,6 +167,7 @@ def measure(model, prompts, new_tokens: int, sampling: ed.Sampling, repeats: int
         "plain_seconds_per_step": plain_s / max(plain_stats["steps"], 1),
         "speculative_seconds_per_step": spec_s / max(spec_stats["steps"], 1),
         "histogram": spec_stats["histogram"],
+        **rated,
     }
 
 
@@ -127,6 +176,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400, help="training steps")
     parser.add_argument(
         "--early", type=int, default=40, help="also measure the model after this many steps"
+    )
+    parser.add_argument(
+        "--dspark-steps", type=int, default=300, help="DSpark drafter training steps"
     )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8, help="training batch (windows)")
@@ -140,18 +192,33 @@ def main() -> int:
         tokens, vocab, args.steps, args.seq_len, args.batch, {args.early, args.steps}
     )
     train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    final = models[args.steps]
+    dspark_model, dspark_history = train_dspark(
+        final, tokens, args.dspark_steps, args.seq_len, args.batch
+    )
+    dspark_s = time.perf_counter() - t0
     offsets = np.linspace(0, len(tokens) - args.prompt_len - 1, 8).astype(int)
     prompts = [list(tokens[o : o + args.prompt_len]) for o in offsets]
     rows = []
-    for trained, model in sorted(models.items()):
+    runs = [(trained, model, "mtp") for trained, model in sorted(models.items())]
+    runs.append((args.steps, dspark_model, "dspark"))
+    for trained, model, drafter in runs:
         loss = next(h for h in history if h["step"] == trained)
         for sampling in (ed.Sampling(), ed.Sampling(temperature=1.0)):
             for batch in (1, 8):
-                row = measure(model, prompts[:batch], args.new_tokens, sampling, args.repeats)
+                row = measure(
+                    model, prompts[:batch], args.new_tokens, sampling, args.repeats, drafter
+                )
                 rows.append({"trained_steps": trained, **loss, **row})
     table = speculative_table(rows)
     extra = {
         "training": {"steps": args.steps, "seconds": train_s, "history": history},
+        "dspark_training": {
+            "steps": args.dspark_steps,
+            "seconds": dspark_s,
+            "history": dspark_history,
+        },
         "text_tokens": len(tokens),
         "vocab": vocab,
         "new_tokens": args.new_tokens,

@@ -14,6 +14,7 @@ Writes benchmarks/results/tpu_memory.{json,md}.
 """
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -27,7 +28,7 @@ RULES = ["embed=fsdp+expert", "heads_x_dim=tensor+expert", "groups_x_rank=tensor
 RULES += ["mlp=tensor+expert"]
 TOPOLOGIES = {64: ("v5p:4x4x4", "fsdp=8,expert=8"), 128: ("v5p:4x4x8", "fsdp=16,expert=8")}
 TOPOLOGIES |= {256: ("v5p:4x8x8", "fsdp=16,expert=16"), 16: ("v5p:2x2x4", "fsdp=2,expert=8")}
-PHASES = ("prefill", "decode", "train")
+PHASES = ("prefill", "decode", "draft", "train")
 # name -> (model, quantised, chips, phases[, numerics])
 RUNS = {
     "flash-q-64": ("v4-flash", True, 64, "decode,prefill"),
@@ -41,6 +42,8 @@ RUNS = {
     "flash-q-128-train": ("v4-flash", True, 128, "train"),
     "flash-q-256-train": ("v4-flash", True, 256, "train"),
     "flash-b-64-train": ("v4-flash", False, 64, "train"),
+    # V4-Flash-0731 with its DSpark drafter: a speculative step (verify 6 tokens, draft 5).
+    "flash-0731-q-64-draft": ("v4-flash-0731", True, 64, "decode,draft"),
     "pro-q-16": ("v4-pro", True, 16, "decode"),
     "pro-q-64": ("v4-pro", True, 64, "decode,prefill"),
     "pro-q-128": ("v4-pro", True, 128, "decode,prefill"),
@@ -92,48 +95,66 @@ def compiled(arguments: list[str], out: pathlib.Path) -> dict:
     return json.loads(out.read_text())
 
 
+def cells(name: str, report: dict) -> list[str]:
+    """The table's row of a run's report."""
+    gib = 2**30
+    model, quantized, chips, phases, *numerics = RUNS[name]
+    weights = f"{model}, {'FP8/FP4' if quantized else 'bf16'}"
+    weights += f", {numerics[0]} numerics" if numerics else ""
+    if "error" in report:
+        why = report["error"].split("CompileTimeHbmOom: ")[-1].split(". HLO")[0]
+        out = [weights, f"{chips} ({TOPOLOGIES[chips][0]})", "-"]
+        return out + [f"refused: {why}" if p in phases else "-" for p in PHASES]
+    out = [
+        weights,
+        f"{chips} ({report['topology']})",
+        f"{report['parameter_bytes_per_device_ideal'] / gib:.2f} GiB",
+    ]
+    for phase in PHASES:
+        r = report["phases"].get(phase)
+        if r is None:
+            out.append("-")
+            continue
+        args_, temp = r["argument_bytes"] / gib, r["temp_bytes"] / gib
+        out.append(f"{args_:.2f} + {temp:.2f} = {args_ + temp:.2f} GiB")
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(RUNS),
+        help="these runs only; the other rows are kept from results/tpu_memory.json",
+    )
     parser.add_argument("--work", default="/tmp/tpu", help="per-run JSON files (reused)")
     args = parser.parse_args()
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    gib = 2**30
+    saved = ROOT / "benchmarks" / "results" / "tpu_memory.json"
+    kept = {}
+    if args.only and saved.exists():
+        # Kept rows keep the date they were recorded on (the file's date is this run's).
+        old = json.loads(saved.read_text())
+        kept = {r["name"]: {"recorded": old["date"], **r} for r in old["rows"]}
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
     rows, table = [], []
-    for name in args.only or RUNS:
-        report = run(name, work)
-        if report is None:
-            continue
-        model, quantized, chips, phases, *numerics = RUNS[name]
-        row = {"name": name, **{k: v for k, v in report.items() if k != "build_seconds"}}
-        weights = f"{model}, {'FP8/FP4' if quantized else 'bf16'}"
-        weights += f", {numerics[0]} numerics" if numerics else ""
-        if "error" in report:
-            rows.append(row)
-            cells = [weights, f"{chips} ({TOPOLOGIES[chips][0]})", "-"]
-            why = report["error"].split("CompileTimeHbmOom: ")[-1].split(". HLO")[0]
-            cells += [f"refused: {why}" if p in phases else "-" for p in PHASES]
-            table.append(cells)
+    for name in RUNS:
+        if args.only and name not in args.only:
+            row = kept.get(name)
+        else:
+            report = run(name, work)
+            row = None if report is None else {"name": name, "recorded": today, **report}
+            row = row and {k: v for k, v in row.items() if k != "build_seconds"}
+        if row is None:
             continue
         rows.append(row)
-        cells = [
-            weights,
-            f"{chips} ({report['topology']})",
-            f"{report['parameter_bytes_per_device_ideal'] / gib:.2f} GiB",
-        ]
-        for phase in PHASES:
-            r = report["phases"].get(phase)
-            if r is None:
-                cells.append("-")
-                continue
-            args_, temp = r["argument_bytes"] / gib, r["temp_bytes"] / gib
-            cells.append(f"{args_:.2f} + {temp:.2f} = {args_ + temp:.2f} GiB")
-        table.append(cells)
-        print(cells, flush=True)
+        table.append(cells(name, row))
+        print(table[-1], flush=True)
     header = ["model, weights", "chips (topology)", "weights / chips"]
     header += ["prefill: arguments + temporaries", "decode: arguments + temporaries"]
-    header += ["train step: arguments + temporaries"]
+    header += ["draft step: arguments + temporaries", "train step: arguments + temporaries"]
     write("tpu_memory", rows, markdown(header, table), {"rules": RULES})
     return 0
 
