@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the release's FP8/FP4 weights kept quantised (values and ue8m0 scales)",
     )
     parser.add_argument(
-        "--phases", default="prefill,decode", help="comma-separated: prefill, decode, train"
+        "--phases",
+        default="prefill,decode",
+        help="comma-separated: prefill, decode, draft (a speculative step with the model's "
+        "DSpark drafter, e.g. --model v4-flash-0731), train",
     )
     parser.add_argument("--train", action="store_true", help="the train step only (--phases train)")
     parser.add_argument(
