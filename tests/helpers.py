@@ -91,3 +91,34 @@ def compile_with_classic_cpu_emitters() -> None:
     # CPU programs compiled since: {True: with the classic emitters, False: with the MLIR ones}.
     compile_classic.programs = {True: 0, False: 0}
     compiler.compile_or_get_cached = compile_classic
+
+
+def assert_draws_from(
+    pairs, exact: np.ndarray, wrong: np.ndarray, level: float = 1e-3, power: float = 0.99
+) -> None:
+    """The first two generated tokens of many copies of one prompt (`pairs`) against their
+    exact joint distribution `exact` `[vocab, vocab]`, by a chi-square test at `level`, whose
+    power against the distribution `wrong` (what a broken sampler would give) must exceed
+    `power`. Tokens the filters exclude must never occur; cells expected below 5 are pooled."""
+    import scipy.stats
+
+    n = len(pairs)
+    counts = np.zeros(exact.shape)
+    for x1, x2 in pairs:
+        counts[x1, x2] += 1
+    assert counts[exact == 0].sum() == 0
+    pooled = (exact > 0) & (exact * n < 5)
+    kept = exact * n >= 5
+
+    def cells(x):
+        return np.append(x[kept], x[pooled].sum()) if pooled.any() else x[kept]
+
+    observed, expected, alternative = cells(counts), cells(exact) * n, cells(wrong) * n
+    df = len(observed) - 1
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    critical = scipy.stats.chi2.isf(level, df)
+    noncentrality = ((alternative - expected) ** 2 / expected).sum()
+    test_power = scipy.stats.ncx2.sf(critical, df, noncentrality)
+    assert test_power > power, test_power
+    p_value = scipy.stats.chi2.sf(chi2, df)
+    assert p_value > level, (chi2, df, p_value)

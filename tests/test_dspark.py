@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 from dspark_reference import Drafter, trunk_taps
-from helpers import COMPONENT, assert_close, run_python, succeeded
+from helpers import COMPONENT, assert_close, assert_draws_from, run_python, succeeded
 from hf_reference import C, H, S, abstract, random_fill, reference_model, tiny_config
 from release_layout import write_release_checkpoint
 
@@ -448,23 +447,7 @@ def test_dspark_sampling_draws_the_plain_distribution():
         model, [prompt] * n, max_new_tokens=2, sampling=s, key=jax.random.key(1),
         speculative="dspark",
     )  # fmt: skip
-    counts = np.zeros((8, 8))
-    for x1, x2 in out:
-        counts[x1, x2] += 1
-    assert counts[exact == 0].sum() == 0
-    pooled = (exact > 0) & (exact * n < 5)
-    kept = exact * n >= 5
-
-    def cells(x):
-        return np.append(x[kept], x[pooled].sum()) if pooled.any() else x[kept]
-
-    observed, expected, alternative = cells(counts), cells(exact) * n, cells(wrong) * n
-    df = len(observed) - 1
-    chi2 = ((observed - expected) ** 2 / expected).sum()
-    critical = scipy.stats.chi2.isf(1e-3, df)
-    noncentrality = ((alternative - expected) ** 2 / expected).sum()
-    assert scipy.stats.ncx2.sf(critical, df, noncentrality) > 0.99
-    assert scipy.stats.chi2.sf(chi2, df) > 1e-3, (chi2, df)
+    assert_draws_from(out, exact, wrong)
 
 
 def test_example_script_dspark():

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
-from helpers import COMPONENT, LOGITS, run_python, succeeded
+from helpers import COMPONENT, LOGITS, assert_draws_from, run_python, succeeded
 from hf_reference import abstract, random_fill
 from test_decode import CONFIGS as DECODE_CONFIGS
 
@@ -370,26 +369,7 @@ def test_speculative_sampling_draws_the_plain_distribution():
         key=jax.random.key(1),
         speculative=True,
     )
-    counts = np.zeros((8, 8))
-    for x1, x2 in out:
-        counts[x1, x2] += 1
-    # Tokens the filters exclude never occur; the other cells expected below 5 are pooled.
-    assert counts[exact == 0].sum() == 0
-    pooled = (exact > 0) & (exact * n < 5)
-    kept = exact * n >= 5
-
-    def cells(x):
-        return np.append(x[kept], x[pooled].sum()) if pooled.any() else x[kept]
-
-    observed, expected, alternative = cells(counts), cells(exact) * n, cells(wrong) * n
-    df = len(observed) - 1
-    chi2 = ((observed - expected) ** 2 / expected).sum()
-    p_value = scipy.stats.chi2.sf(chi2, df)
-    critical = scipy.stats.chi2.isf(1e-3, df)
-    noncentrality = ((alternative - expected) ** 2 / expected).sum()
-    power = scipy.stats.ncx2.sf(critical, df, noncentrality)
-    assert power > 0.99, power
-    assert p_value > 1e-3, (chi2, df, p_value)
+    assert_draws_from(out, exact, wrong)
 
 
 def test_example_script_speculative():
