@@ -6,6 +6,8 @@ program. Each process writes what it saw to `OUT/process-I.json`; process 0 also
 gathered arrays to `OUT/arrays.npz`. Steps:
 
 - `load_hf`: the release-layout checkpoint onto the mesh (bytes read by this process);
+- `load_dspark`: the release-layout checkpoint with a DSpark drafter (V4-Flash-0731's
+  layout) onto the mesh; the drafter's tensors gathered, by release name;
 - `forward`: logits of `ids`; `generate`: greedy tokens of `prompts` (each process's own);
 - `train`: one SGD step from the loaded model; its state saved, restored and compared here;
   the new model saved (`OUT/trained`);
@@ -99,6 +101,14 @@ for step in spec["steps"]:
             spec["release"], mesh=mesh, numerics="exact", load_mtp=False, stats=stats
         )
         report["load_hf"] = stats
+    elif step == "load_dspark":
+        stats = {}
+        drafting = convert.load_hf(spec["dspark_release"], mesh=mesh, numerics="exact", stats=stats)
+        report["load_dspark"] = stats
+        for name, x in ed.ckpt.canonical_pieces(drafting):
+            if name.startswith("mtp."):
+                arrays[f"dspark:{name}"] = gathered(x)
+        report["dspark_split"] = len(drafting.dspark.stages[0].ffn.experts.w1.sharding.device_set)
     elif step == "forward":
         arrays["logits"] = gathered(logits(model, ids))
     elif step == "generate":

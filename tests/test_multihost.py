@@ -1,9 +1,10 @@
 """Several processes, one mesh: two processes of four CPU devices each on loopback, as two
 hosts, against one process. Load a sharded release-layout checkpoint (each process reading only
-its experts), forward, greedy generation, a train step with its state saved and restored, saves
-restored in the other number of processes, the converter; and the failures: a process that
-dies, a coordinator that is not there."""
+its experts; one with a DSpark drafter too), forward, greedy generation, a train step with its
+state saved and restored, saves restored in the other number of processes, the converter; and
+the failures: a process that dies, a coordinator that is not there."""
 
+import dataclasses
 import re
 import sys
 
@@ -40,6 +41,15 @@ IDS = rng.integers(0, CONFIG.vocab_size, (4, 24)).tolist()
 PROMPTS = [rng.integers(1, CONFIG.vocab_size, 9).tolist(), rng.integers(1, 97, 5).tolist()]
 NEW_TOKENS = 6
 TRAIN_TOKENS = rng.integers(0, CONFIG.vocab_size, (8, 17)).tolist()
+# The same trunk with a DSpark drafter (V4-Flash-0731's layout: three stages under mtp.<i>).
+DSPARK = dataclasses.replace(
+    CONFIG,
+    dspark_block_size=5,
+    dspark_markov_rank=8,
+    dspark_target_layer_ids=(0, 1, 2),
+    dspark_noise_token_id=96,
+    dspark_stages=3,
+)
 # fsdp inside each process, the experts split between the two processes.
 MESH = {"fsdp": 4, "expert": 2}
 
@@ -53,12 +63,15 @@ def run(tmp_path_factory):
     """The checkpoint, a one-process save of it, the two-process run, and the one-process
     model the results are compared with."""
     root = tmp_path_factory.mktemp("multihost")
-    write_release_checkpoint(root / "release", CONFIG, reference_model(CONFIG, seed=25), shards=3)
+    reference = reference_model(CONFIG, seed=25)
+    write_release_checkpoint(root / "release", CONFIG, reference, shards=3)
+    write_release_checkpoint(root / "dspark", DSPARK, reference, shards=3)
     single = convert.load_hf(root / "release", numerics="exact", load_mtp=False)
     ed.save(root / "saved", single)
     spec = {
         "release": str(root / "release"),
         "saved": str(root / "saved"),
+        "dspark_release": str(root / "dspark"),
         "mesh": MESH,
         "interleave": True,
         "ids": IDS,
@@ -67,6 +80,7 @@ def run(tmp_path_factory):
         "train_tokens": TRAIN_TOKENS,
         "steps": [
             "load_hf",
+            "load_dspark",
             "forward",
             "generate",
             "load_saved",
@@ -91,6 +105,21 @@ def test_each_process_reads_its_experts_only(run):
     fractions = [r["load_hf"]["bytes_read"] / r["load_hf"]["bytes_total"] for r in reports]
     print(f"bytes read per process: {fractions} of {reports[0]['load_hf']['bytes_total']}")
     assert all(f <= 0.6 for f in fractions)
+
+
+def test_dspark_drafter_loads_in_two_processes(run):
+    # Every drafter tensor as one process loads it; each process reads about half the bytes
+    # (the drafter's stages' experts split between the processes as the trunk's).
+    root, _, reports, arrays = run
+    single = convert.load_hf(root / "dspark", numerics="exact")
+    drafter = {n: x for n, x in ed.ckpt.canonical_pieces(single) if n.startswith("mtp.")}
+    assert sorted(drafter) == sorted(n[len("dspark:") :] for n in arrays if n.startswith("dspark:"))
+    assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.markov_w1.weight"} <= set(drafter)
+    for name, x in drafter.items():
+        np.testing.assert_array_equal(arrays[f"dspark:{name}"], np.asarray(x), err_msg=name)
+    for r in reports:
+        assert r["dspark_split"] == 8
+        assert r["load_dspark"]["bytes_read"] <= 0.6 * r["load_dspark"]["bytes_total"]
 
 
 def test_forward_equals_one_process(run):
