@@ -5,7 +5,7 @@ A small model (the embedded tiny default's layer pattern, hidden 128, one MTP bl
 here with `ed.make_train_step` (next-token and MTP losses, AdamW) on tests/data/overfit.txt,
 tokenised with the real tokenizer and renumbered densely (a head of the text's own
 vocabulary). A DSpark drafter (three stages reading the last three layers, blocks of 5, as
-V4-Flash-0731's) is then trained on the frozen trunk with `ed.train.make_dspark_train_step`.
+V4-Flash-0731's) is then trained on the frozen trunk with `ed.make_train_step(..., dspark=...)`.
 Then `ed.generate` continues prompts cut from the text, plain, with `speculative="mtp"` and
 with `speculative="dspark"` (the same trunk), greedy and sampled, at batch 1 and 8; the runs
 alternate, each timed after a warm-up run that compiles. Greedy outputs are checked equal.
@@ -102,7 +102,7 @@ def train_dspark(trunk, tokens: np.ndarray, steps: int, seq_len: int, batch: int
         3e-3, warmup_steps=min(20, steps // 2), total_steps=steps, weight_decay=0.0
     )
     state = ed.init_train_state(model, opt, drafter_only=True)
-    step = ed.train.make_dspark_train_step(opt, anchors=16)
+    step = ed.make_train_step(opt, dspark=ed.train.DSparkObjective(anchors=16))
     rng = np.random.default_rng(1)
     history = []
     bar = tqdm(range(1, steps + 1), desc="training the DSpark drafter", unit="step")

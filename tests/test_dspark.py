@@ -305,6 +305,17 @@ def test_dspark_errors(setup):
     bare = eqx.tree_at(lambda m: m.dspark, model, None, is_leaf=lambda x: x is None)
     with pytest.raises(ValueError, match="has none"):
         ed.generate(bare, [[1]], max_new_tokens=2, speculative="dspark")
+    # Training it: a model without one, and options that do not apply.
+    opt = ed.make_optimizer(warmup_steps=1, total_steps=2)
+    objective = ed.train.DSparkObjective()
+    step = ed.make_train_step(opt, dspark=objective, donate=False)
+    batch = ed.Batch.from_tokens(np.ones((1, 4), np.int32))
+    with pytest.raises(ValueError, match="needs a model with a DSpark drafter"):
+        step(ed.init_train_state(bare, opt), batch)
+    with pytest.raises(ValueError, match="micro_batches=1, got 2"):
+        ed.make_train_step(opt, dspark=objective, micro_batches=2)
+    with pytest.raises(ValueError, match="anchors must be >= 1, got 0"):
+        ed.train.DSparkObjective(anchors=0)
 
 
 def test_rings_after_verification_equal_a_fresh_run(setup):
@@ -400,7 +411,8 @@ def test_drafter_training_lowers_its_loss_and_keeps_the_trunk(setup):
     assert all(jax.tree.leaves(only.dspark.main_proj)) and not any(jax.tree.leaves(trunk))
     opt = ed.make_optimizer(1e-2, warmup_steps=1, total_steps=30, weight_decay=0.0)
     state = ed.init_train_state(model, opt, drafter_only=True)
-    step = ed.train.make_dspark_train_step(opt, anchors=8, donate=False)
+    objective = ed.train.DSparkObjective(anchors=8)
+    step = ed.make_train_step(opt, dspark=objective, donate=False)
     rng = np.random.default_rng(0)
     text = rng.integers(0, 16, 200)  # a small alphabet: something to learn in a few steps
     first = last = None

@@ -9,7 +9,7 @@ May import: config, quant, execution, nn, parallel.
 """
 
 from ..execution import REMAT_POLICIES as REMAT_POLICIES
-from ._dspark import dspark_loss as dspark_loss, make_dspark_train_step as make_dspark_train_step
+from ._dspark import DSparkObjective as DSparkObjective, dspark_loss as dspark_loss
 from ._flops import (
     active_parameters as active_parameters,
     forward_flops as forward_flops,
@@ -40,7 +40,7 @@ __all__ = [
     "TrainStep",
     "make_optimizer",
     "make_train_step",
-    "make_dspark_train_step",
+    "DSparkObjective",
     "dspark_loss",
     "init_train_state",
     "abstract_train_state",

@@ -17,6 +17,8 @@ matter less, as their drafts are verified only if all before them survive):
 `dspark/loss.py`, `loss_decay_gamma` 4).
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,6 @@ from .._typecheck import typechecked
 from ..execution import Policy, with_policy
 from ..nn import DeepseekV4
 from ._losses import Batch, TrainState, trainable
-from ._step import TrainStep
 
 
 WEIGHTS = (0.1, 0.9, 1.0)  # ce, tv, confidence
@@ -82,50 +83,54 @@ def dspark_loss(
     return loss, terms
 
 
-@typechecked
-def make_dspark_train_step(
-    optimizer: optax.GradientTransformation,
-    *,
-    anchors: int = 16,
-    decay: float = 4.0,
-    weights: tuple[float, float, float] = WEIGHTS,
-    seed: int = 0,
-    donate: bool = True,
-) -> TrainStep:
-    """The jitted step `step(state, batch) -> (state, metrics)` training the DSpark drafter of
-    a frozen trunk (`dspark_loss`); the state from `init_train_state(model, optimizer,
-    drafter_only=True)`.
+@dataclasses.dataclass(frozen=True)
+class DSparkObjective:
+    """`make_train_step(optimizer, dspark=DSparkObjective(...))`: the step trains the DSpark
+    drafter of a frozen trunk (`dspark_loss`) instead of the model.
 
-    **Arguments:**
+    **Fields:**
 
-    - `optimizer`: an optax transformation for the drafter's leaves.
     - `anchors`: blocks per sequence and step, at positions drawn anew each step (from `seed`
       and the step number).
     - `decay`, `weights`: see `dspark_loss`.
-    - `donate`: donate the incoming state's buffers.
-
-    **Returns:** the step; `metrics` holds `loss`, `ce`, `tv`, `confidence`, `accept` and
-    `grad_norm`.
+    - `seed`: of the anchors' positions.
     """
-    if anchors < 1:
-        raise ValueError(f"anchors must be >= 1, got {anchors}")
+
+    anchors: int = 16
+    decay: float = 4.0
+    weights: tuple[float, float, float] = WEIGHTS
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.anchors < 1:
+            raise ValueError(f"DSparkObjective.anchors must be >= 1, got {self.anchors}")
+        if self.decay <= 0:
+            raise ValueError(f"DSparkObjective.decay must be > 0, got {self.decay}")
+
+
+def dspark_step(optimizer: optax.GradientTransformation, objective: DSparkObjective):
+    """The unjitted `step(batch, state, policy) -> (state, metrics)` of `make_train_step`
+    with `dspark=objective`; `metrics` holds `loss`, `ce`, `tv`, `confidence`, `accept` and
+    `grad_norm`."""
 
     def step(batch: Batch, state: TrainState, policy: Policy):
+        if state.model.dspark is None:
+            raise ValueError("make_train_step(dspark=...) needs a model with a DSpark drafter")
         params, frozen = eqx.partition(state.model, trainable(state.model, drafter_only=True))
         b, t = batch.input_ids.shape
-        key = jax.random.fold_in(jax.random.key(seed), state.step)
-        at = jax.random.randint(key, (b, anchors), 0, t, jnp.int32)
+        key = jax.random.fold_in(jax.random.key(objective.seed), state.step)
+        at = jax.random.randint(key, (b, objective.anchors), 0, t, jnp.int32)
 
-        def objective(params):
+        def loss(params):
             model = with_policy(eqx.combine(params, frozen), policy)
-            return dspark_loss(model, batch, at, decay=decay, weights=weights)
+            return dspark_loss(model, batch, at, decay=objective.decay, weights=objective.weights)
 
-        (loss, terms), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (value, terms), grads = jax.value_and_grad(loss, has_aux=True)(params)
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.combine(eqx.apply_updates(params, updates), frozen)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        metrics = {"loss": loss, **terms, "grad_norm": optax.tree.norm(grads32)}
+        metrics = {"loss": value, **terms, "grad_norm": optax.tree.norm(grads32)}
         return TrainState(model, opt_state, state.step + 1), metrics
 
-    return TrainStep(step, donate)
+    return step

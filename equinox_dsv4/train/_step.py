@@ -14,6 +14,7 @@ from .._typecheck import typechecked
 from ..execution import Policy, with_policy
 from ..nn import DeepseekV4
 from ..parallel import committed
+from ._dspark import DSparkObjective, dspark_step
 from ._losses import Batch, TrainState, _all_stats, loss_and_stats, trainable, update_router_bias
 
 
@@ -60,7 +61,7 @@ def init_train_state(
     model: DeepseekV4, optimizer: optax.GradientTransformation, *, drafter_only: bool = False
 ) -> TrainState:
     """A fresh `TrainState` at step 0 (the optimizer state sharded like the parameters);
-    `drafter_only`: for `make_dspark_train_step` (the optimizer state of the drafter only)."""
+    `drafter_only`: for `make_train_step(dspark=...)` (the optimizer state of the drafter only)."""
     params = eqx.filter(model, trainable(model, drafter_only=drafter_only))
     with jax.numpy_dtype_promotion("standard"):
         opt_state = eqx.filter_jit(optimizer.init)(params)
@@ -140,6 +141,7 @@ def make_train_step(
     bias_update_rate: float = 1e-3,
     remat: str | None = "dots",
     micro_batches: int = 1,
+    dspark: DSparkObjective | None = None,
     donate: bool = True,
 ) -> "TrainStep":
     """The jitted training step `step(state, batch) -> (state, metrics)`.
@@ -161,6 +163,11 @@ def make_train_step(
       `i` takes every `micro_batches`-th sequence starting at `i`, so a batch sharded over
       devices keeps each micro-batch spread over all of them. Gradients accumulate in the
       parameters' dtype.
+    - `dspark`: train the DSpark drafter of a frozen trunk instead (`DSparkObjective`,
+      `dspark_loss`), from a state of `init_train_state(model, optimizer, drafter_only=True)`.
+      The trunk runs forward only, so `mtp_weight`, `balance_weight`, `bias_update_rate` and
+      `remat` do not apply; `micro_batches` must be 1. Its `metrics` hold `loss`, `ce`, `tv`,
+      `confidence`, `accept` and `grad_norm`.
     - `donate`: donate the incoming state's buffers (the caller must not reuse it).
 
     **Returns:** the step function. `metrics` holds `loss`, `lm`, `mtp`, `balance`, `tokens`,
@@ -169,6 +176,12 @@ def make_train_step(
 
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if dspark is not None:
+        if micro_batches != 1:
+            raise ValueError(
+                f"make_train_step(dspark=...) takes micro_batches=1, got {micro_batches}"
+            )
+        return TrainStep(dspark_step(optimizer, dspark), donate)
 
     def step(batch: Batch, state: TrainState, policy: Policy):
         spec = trainable(state.model)
