@@ -114,9 +114,14 @@ def run(args: argparse.Namespace) -> int:
             f"(after the prefill's first token)"
         )
         if "confidence_accepted" in stats:
+
+            def mean(key: str) -> str:  # NaN: no such drafts
+                value = stats[key]
+                return "-" if value != value else f"{value:.2f}"
+
             say(
-                f"drafter confidence: {stats['confidence_accepted']:.2f} on accepted drafts, "
-                f"{stats['confidence_rejected']:.2f} on rejected ones"
+                f"drafter confidence: {mean('confidence_accepted')} on accepted drafts, "
+                f"{mean('confidence_rejected')} on rejected ones"
             )
     return 0
 

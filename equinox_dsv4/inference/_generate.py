@@ -146,7 +146,8 @@ def generate(
       rows, and how many were accepted) and `histogram` (steps by accepted drafts); with a
       drafter that rates its drafts (DSpark), `confidence_accepted` / `confidence_rejected`:
       the mean confidence of the accepted drafts and of the drafts verification rejected
-      (the first wrong one of a step; the drafts after it are never judged).
+      (the first wrong one of a step; the drafts after it are never judged); NaN where
+      there were none.
 
     **Returns:** the generated ids per prompt, without the prompt.
     """
