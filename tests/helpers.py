@@ -22,6 +22,14 @@ LOGITS = dict(atol=1e-4, rtol=1e-4)
 # Two of our own computations that must agree to float32 rounding (scan vs unrolled, eager vs
 # jitted): tighter than any parity.
 SAME = dict(atol=1e-6, rtol=1e-6)
+# The report of `python -m equinox_dsv4.compile --json`, the same for every platform (TPU, GPU,
+# CPU devices).
+COMPILE_REPORT_KEYS = sorted(
+    ["batch", "build_seconds", "cache_bytes", "device", "device_memory_bytes", "devices",
+     "dtype", "layers", "max_len", "mesh", "micro_batches", "model", "numerics",
+     "parameter_bytes", "parameter_bytes_per_device_ideal", "parameters", "peak", "phases",
+     "platform", "policy", "quantized", "remat", "rules", "topology", "unrolled"]
+)  # fmt: skip
 
 
 def assert_close(actual, expected, tol: dict = COMPONENT, err_msg: str = "") -> None:

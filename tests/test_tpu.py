@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import COMPILE_REPORT_KEYS
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -118,7 +119,8 @@ def test_decode_step_compiles_for_tpu(tpu_mesh):
     )
 
 
-def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
+def test_prefill_compiles_for_tpu(tpu_mesh):
+    # (The train step, forward and backward, compiles in test_compile_command_train_step_...)
     model = _model(tpu_mesh)
     rows = NamedSharding(tpu_mesh, P(AXES[:2]))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(2, 128), model)
@@ -127,20 +129,6 @@ def test_prefill_and_train_step_compile_for_tpu(tpu_mesh):
     with jax.set_mesh(tpu_mesh):
         prefill = jax.jit(lambda m, i, c: m.decode(i, c, last_only=True)).lower(model, ids, cache)
     assert prefill.compile().memory_analysis().temp_size_in_bytes > 0
-    # (The full forward compiles inside the train step below.)
-
-    optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
-    # The optimizer's moments placed as the parameters are (nothing allocated).
-    state = ed.train.abstract_train_state(model, optimizer)
-    tokens = jax.ShapeDtypeStruct((2, 33), jnp.int32, sharding=rows)
-    batch = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
-        eqx.filter_eval_shape(ed.Batch.from_tokens, tokens),
-    )
-    with jax.set_mesh(tpu_mesh):
-        lowered = ed.make_train_step(optimizer).lower(state, batch)
-    memory = lowered.compile().memory_analysis()
-    assert memory.temp_size_in_bytes > 0 and memory.alias_size_in_bytes > 0
 
 
 def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):
@@ -155,7 +143,9 @@ def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):
     args += ["--rule", "embed=fsdp+expert"]
     assert compile_cli.main(args) == 0
     report = json.loads(out.read_text())
+    assert sorted(report) == COMPILE_REPORT_KEYS  # as for GPUs (test_gpu.py)
     assert report["platform"] == "tpu" and report["devices"] == 4 and report["quantized"]
+    assert report["device"] == "TPU v5" and report["device_memory_bytes"] is None
     assert report["rules"] == {"embed": ["fsdp", "expert"]}
     decode = report["phases"]["decode"]
     assert decode["argument_bytes"] > 0 and decode["temp_bytes"] > 0
@@ -188,3 +178,5 @@ def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
     # fsdp only, so 3 x weights / 2 per chip; moments replicated would be 2.5 x weights.
     weights = report["parameter_bytes"]
     assert 1.4 * weights < train["argument_bytes"] < 1.6 * weights
+    # The incoming state is donated: its buffers are the new state's.
+    assert train["alias_bytes"] > 0.9 * train["output_bytes"] > 0

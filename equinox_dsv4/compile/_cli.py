@@ -7,14 +7,19 @@ prints XLA's per-device memory analysis (arguments, outputs, temporaries, genera
 cost analysis (FLOPs, bytes accessed) and the compile times. This is how to check that a model
 and mesh fit before renting the hardware.
 
-With `--topology` (e.g. `v5p:4x4x4`; needs `pip install libtpu`, not a TPU) the programs are
-compiled by XLA's TPU compiler for that topology's chips, and the memory figures are the TPU's
-per chip, and the table adds a roofline estimate at the chip's published peak (`TPU_PEAKS`):
+With `--topology` the programs are compiled for chips that need not be here (`pip install -e
+'.[aot]'`): a TPU topology (e.g. `v5p:4x4x4`) by XLA's TPU compiler through libtpu, or NVIDIA
+GPUs (`h100:8`, `h200:8`, `b200:16`: a node of 8 or whole nodes) by XLA's GPU compiler
+through the CUDA plugin, from the committed target configuration of that GPU
+(`equinox_dsv4/compile/gpus/`) or `--target-config` (one captured from a real GPU). The
+memory figures are then the chip's, per chip; a GPU program that needs more than the GPU's
+memory (arguments + outputs + temporaries - aliased) is refused (exit 1, naming the phase).
+The table adds a roofline estimate at the chip's published peak (`TPU_PEAKS`, `GPU_PEAKS`):
 the step's time as `max(FLOPs / peak, bytes accessed / HBM bandwidth)` from XLA's cost
 analysis, and the MFU that time gives the step's useful FLOPs (`train_flops`,
 `forward_flops`). XLA counts a loop's body once, so the estimate covers every layer only with
 `--unrolled`, and even then the experts' loop within a layer counts once: an upper bound on
-the MFU, printed for unrolled programs only.
+the MFU, printed for unrolled programs only. XLA's GPU compiler counts no FLOPs: no estimate.
 
 `--quantized` keeps the release's FP8/FP4 weights quantised, as
 `convert.load_hf(..., quantized=True)` does. `--train` compiles one training step instead
@@ -23,6 +28,7 @@ the MFU, printed for unrolled programs only.
 
     python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
     python -m equinox_dsv4.compile --model v4-flash --topology v5p:4x4x4 --quantized
+    python -m equinox_dsv4.compile --model v4-pro --topology h200:8 --mesh expert=8 --quantized
     python -m equinox_dsv4.compile --train --topology v5p:4x8x8 --mesh fsdp=32,expert=8 \
         --seq-len 4096 --batch 32
 """
@@ -33,7 +39,9 @@ import sys
 import time
 
 from ..parallel import AXES, parse_mesh, parse_rules
-from ._report import estimate, peak, print_table
+from ._programs import draft_step, placed, train_step
+from ._report import estimate, print_table
+from ._targets import Target, target
 
 
 MODELS = ("v4-flash", "v4-pro", "v4-flash-0731", "tiny")
@@ -100,8 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--topology",
-        help="compile for the chips of this TPU topology (e.g. v5p:4x4x4; needs libtpu) "
-        "instead of simulated CPU devices; the mesh must use all of them",
+        help="compile for the chips of this TPU topology (e.g. v5p:4x4x4) or these NVIDIA GPUs "
+        "(h100:8, h200:8, b200:8; more than 8: whole nodes) instead of simulated CPU devices "
+        "(needs the aot extra, not the chips); the mesh must use all of them",
+    )
+    parser.add_argument(
+        "--target-config",
+        metavar="FILE",
+        help="a GPU topology's GpuTargetConfigProto text (e.g. captured on a real GPU with "
+        "jax.extend's get_topology_for_devices(jax.devices()).target_config) instead of the "
+        "committed one for its GPU",
     )
     parser.add_argument(
         "--quantized",
@@ -185,21 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _devices(args: argparse.Namespace) -> list:
+def _target(args: argparse.Namespace) -> Target:
     import jax
 
     if args.topology:
-        from jax.experimental import topologies
-
-        try:
-            desc = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
-        except Exception as e:  # libtpu missing, or a name it does not know
-            raise ValueError(f"cannot get TPU topology {args.topology!r}: {e}") from e
-        return list(desc.devices)
+        return target(args.topology, args.target_config)
+    if args.target_config:
+        raise ValueError("--target-config needs a GPU --topology (e.g. h100:8)")
     devices = jax.devices()[: args.devices]
     if len(devices) < args.devices:
         raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
-    return devices
+    return Target(devices[0].platform, devices[0].platform, devices, "host", None, None)
 
 
 def _mesh(devices: list, mesh_shape: dict[str, int]):
@@ -241,7 +253,8 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     config = dataclasses.replace(config, numerics=args.numerics, scan_layers=not args.unrolled)
     if args.layers:
         config = config.first_layers(args.layers)
-    devices = _devices(args)
+    chip = _target(args)
+    devices = chip.devices
     mesh = _mesh(devices, mesh_shape)
     batch = args.batch or mesh.shape["data"] * mesh.shape["fsdp"]
     max_len = args.max_len or args.prefill + 256
@@ -255,9 +268,9 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         platform = ed.execution.Policy.for_platform(devices[0].platform)
         model = ed.execution.with_policy(model, dataclasses.replace(platform, **args.policy))
     rules = ed.parallel.ShardingRules().replace(**args.rules)
-    model = _placed(model, ed.parallel.named_shardings(model, mesh, rules))
+    model = placed(model, ed.parallel.named_shardings(model, mesh, rules))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
-    cache = _placed(cache, ed.parallel.cache_shardings(cache, mesh))
+    cache = placed(cache, ed.parallel.cache_shardings(cache, mesh))
     param_bytes = ed.quant.weight_bytes(model)["total"]
     held = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, ed.quant.QuantizedWeight))
     parameters = sum(int(np.prod(x.shape)) for x in held)  # logical, quantised or not
@@ -280,7 +293,9 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "layers": config.num_hidden_layers,
         "remat": args.remat if "train" in phases else None,
         "micro_batches": args.micro_batches if "train" in phases else None,
-        "peak": peak(args.topology),
+        "device": chip.description,
+        "device_memory_bytes": chip.memory_bytes,
+        "peak": chip.peak,
         "mesh": dict(mesh.shape),
         "batch": batch,
         "max_len": max_len,
@@ -303,6 +318,11 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         f"batch {batch}, cache {max_len} tokens",
         file=sys.stderr,
     )
+    # Weights that alone exceed a device's memory need no compile to be refused (one of
+    # V4-Pro in bf16 takes XLA's GPU compiler minutes).
+    refusal = chip.fit_error(phases[0], _bytes_per_device(model), "the weights alone")
+    if refusal:
+        raise DoesNotFit(refusal, results)
     for phase in phases:
         tokens = {"decode": 1, "draft": (config.dspark_block_size or 0) + 1}.get(
             phase, args.prefill
@@ -310,10 +330,10 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             if phase == "draft":
-                lowered = _draft_step(model, batch, max_len, mesh, rows)
+                lowered = draft_step(model, batch, max_len, mesh, rows)
             elif phase == "train":
                 remat = None if args.remat == "none" else args.remat
-                lowered = _train_step(model, batch, tokens, rows, remat, args.micro_batches)
+                lowered = train_step(model, batch, tokens, rows, remat, args.micro_batches)
             else:
                 ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32, sharding=rows)
                 lowered = jax.jit(step, donate_argnums=2).lower(model, ids, cache)
@@ -343,81 +363,39 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
             "bytes_accessed": cost.get("bytes accessed"),
             "transcendentals": cost.get("transcendentals"),
         }
-        row.update(estimate(args, config, phase, tokens, batch, len(devices), row))
+        row["needed_bytes"] = (
+            row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"] - row["alias_bytes"]
+        )
+        row.update(estimate(args, chip.peak, config, phase, tokens, batch, len(devices), row))
         results["phases"][phase] = row
         print(
             f"{phase}: arguments {row['argument_bytes'] / 2**30:.2f} GiB + temporaries "
             f"{row['temp_bytes'] / 2**30:.2f} GiB per device (compiled in {t2 - t1:.0f} s)",
             file=sys.stderr,
         )
+        refusal = chip.fit_error(phase, row["needed_bytes"])
+        if refusal:
+            raise DoesNotFit(refusal, results)
     print_table(results)
     return results
 
 
-def _placed(tree, shardings):
+def _bytes_per_device(tree) -> int:
+    """The most bytes that any device holds of `tree`'s placed `ShapeDtypeStruct`s."""
     import jax
+    import numpy as np
 
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings
-    )
-
-
-def _draft_step(model, batch: int, max_len: int, mesh, rows):
-    """The lowered speculative step with the DSpark drafter (greedy): the main model verifies
-    the pending token and a block of drafts, the verified positions go into the rings, the
-    drafter drafts the next block; caches donated."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    import equinox_dsv4 as ed
-
-    drafter, greedy = ed.inference.DSparkDrafter(), ed.Sampling()
-    depth = drafter.depth(model)
-    state = eqx.filter_eval_shape(
-        lambda m: drafter.init(m, batch, max_len, greedy, lambda c: c), model
-    )
-    rings = _placed(state.rings, ed.parallel.cache_shardings(state.rings, mesh))
-    state = eqx.tree_at(lambda s: s.rings, state, rings)
-    state = jax.tree.map(
-        lambda a: (
-            a if a.sharding is not None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows)
-        ),
-        state,
-    )
-    cache = eqx.filter_eval_shape(
-        lambda m: m.init_cache(batch, max_len + depth, rewind=depth), model
-    )
-    cache = _placed(cache, ed.parallel.cache_shardings(cache, mesh))
-    vector = NamedSharding(mesh, PartitionSpec(ed.execution.batch_axes(batch)))
-    pending = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=vector)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-
-    def step(model, pending, active, cache, state, key):
-        return ed.inference.speculative_step(
-            model, drafter, pending, active, cache, state, key, greedy
-        )
-
-    return jax.jit(step, donate_argnums=(3, 4)).lower(model, pending, pending, cache, state, key)
+    held: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            shape = [len(range(*i.indices(n))) for i, n in zip(index, leaf.shape, strict=True)]
+            held[device] = held.get(device, 0) + int(np.prod(shape)) * leaf.dtype.itemsize
+    return max(held.values())
 
 
-def _train_step(model, batch: int, tokens: int, rows, remat: str | None, micro_batches: int):
-    """The lowered training step (AdamW, per-layer remat `remat`, `micro_batches` of gradient
-    accumulation) on `batch` sequences of `tokens`; the optimizer state placed with the
-    parameters' shardings."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
+class DoesNotFit(ValueError):
+    """A phase needs more than the device's memory; `results` holds the phases compiled."""
 
-    import equinox_dsv4 as ed
-
-    optimizer = ed.make_optimizer(1e-4, warmup_steps=1, total_steps=10)
-    state = ed.train.abstract_train_state(model, optimizer)
-    ids = jax.ShapeDtypeStruct((batch, tokens + 1), jnp.int32, sharding=rows)
-    data = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=rows),
-        eqx.filter_eval_shape(ed.Batch.from_tokens, ids),
-    )
-    step = ed.make_train_step(optimizer, remat=remat, micro_batches=micro_batches)
-    return step.lower(state, data)
+    def __init__(self, message: str, results: dict):
+        super().__init__(message)
+        self.results = results

@@ -1,24 +1,9 @@
-"""What `python -m equinox_dsv4.compile` reports beside XLA's figures: the chip's published
-peaks, the useful FLOPs and roofline estimate of a phase, and the printed table."""
-
-# Published per-chip peaks (Google Cloud's TPU pages): dense bf16 FLOP/s, HBM bytes/s.
-TPU_PEAKS = {
-    "v4": (275e12, 1228e9),
-    "v5e": (197e12, 819e9),
-    "v5p": (459e12, 2765e9),
-    "v6e": (918e12, 1640e9),
-}
+"""What `python -m equinox_dsv4.compile` reports beside XLA's figures: the useful FLOPs and
+roofline estimate of a phase (at the chip's published peaks, `_targets.py`), and the printed
+table."""
 
 
-def peak(topology: str | None) -> dict | None:
-    chip = (topology or "").split(":")[0]
-    if chip not in TPU_PEAKS:
-        return None
-    flops, hbm = TPU_PEAKS[chip]
-    return {"chip": chip, "bf16_flops_per_s": flops, "hbm_bytes_per_s": hbm}
-
-
-def estimate(args, config, phase: str, tokens: int, batch: int, devices: int, row) -> dict:
+def estimate(args, chip, config, phase: str, tokens: int, batch: int, devices: int, row) -> dict:
     """Useful FLOPs per device, and where the chip's peak is known the roofline time and MFU
     from XLA's cost analysis (an unrolled program's only: a scanned one counts a layer once)."""
     import equinox_dsv4 as ed
@@ -29,7 +14,6 @@ def estimate(args, config, phase: str, tokens: int, batch: int, devices: int, ro
     elif phase == "prefill":
         useful = ed.train.forward_flops(config, tokens)
     out = {"useful_flops": None if useful is None else useful * batch / devices}
-    chip = peak(args.topology)
     if chip is None or not args.unrolled or not row["flops"] or not row["bytes_accessed"]:
         return out | {"estimate_seconds": None, "mfu_estimate": None}
     seconds = max(
@@ -55,6 +39,8 @@ def print_table(results: dict) -> None:
         useful = f"{r['useful_flops']:.3g}" if r["useful_flops"] else "n/a"
         if r["mfu_estimate"] is not None:
             bound = f" {r['mfu_estimate']:.1%} ({r['estimate_seconds']:.3g} s) |"
+        elif chip and not r["flops"]:
+            bound = " n/a (no FLOP count from this compiler) |"
         else:
             bound = " n/a (needs --unrolled) |" if chip else ""
         print(

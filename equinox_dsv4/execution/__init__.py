@@ -27,6 +27,7 @@ from ._mesh import (
 )
 from ._policy import (
     Policy as Policy,
+    error_if as error_if,
     platform_of as platform_of,
     policy_field as policy_field,
     resolve as resolve,
@@ -52,6 +53,7 @@ __all__ = [
     "Policy",
     "with_policy",
     "policy_field",
+    "error_if",
     "resolve",
     "platform_of",
     "linear",

@@ -14,6 +14,7 @@ docs/design.md says why each exists and what guards it.
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Literal, TypeVar
 
 import equinox as eqx
@@ -189,3 +190,21 @@ def platform_of(*trees: Any) -> str:
             if devices:
                 return next(iter(devices)).platform
     return jax.default_backend()
+
+
+def error_if(x: Any, pred: Array, message: str) -> Any:
+    """`eqx.error_if(x, pred, message)`: `x`, and a runtime error if `pred` holds, raised on
+    the host by a callback. Left out of a program for GPUs compiled on a machine without one
+    (`python -m equinox_dsv4.compile --topology h100:8`): no host callback can be lowered
+    without the GPU's runtime, and such a program is compiled to be measured, not run."""
+    if platform_of(x) == "gpu" and not _gpu_runtime():
+        return x
+    return eqx.error_if(x, pred, message)
+
+
+@functools.cache
+def _gpu_runtime() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend in this process (JAX_PLATFORMS, or no GPU)
+        return False

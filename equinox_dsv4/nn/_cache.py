@@ -34,7 +34,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from .._typecheck import typechecked
-from ..execution import Policy, set_rows
+from ..execution import Policy, error_if, set_rows
 
 
 class Chunk(eqx.Module):
@@ -206,7 +206,7 @@ class KVCache(eqx.Module):
         (a runtime error otherwise, for the first bound; the second is the caller's to keep)."""
         n = jnp.asarray(n, jnp.int32)
         bad = (n < 0) | (n > self.max_rewind) | (n > self.positions)
-        n = eqx.error_if(n, jnp.any(bad), f"rewind: n must be in 0 .. {self.max_rewind}")
+        n = error_if(n, jnp.any(bad), f"rewind: n must be in 0 .. {self.max_rewind}")
         return self.at_positions(self.positions - n)
 
     def at_positions(self, positions: Int[Array, " batch"]) -> "KVCache":

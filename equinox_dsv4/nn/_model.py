@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._typecheck import typechecked
 from ..config import Config, LayerPlan
-from ..execution import Policy, constrain_batch, policy_field, with_policy
+from ..execution import Policy, constrain_batch, error_if, policy_field, with_policy
 from ._cache import Chunk, KVCache
 from ._dspark import DSpark
 from ._hyper import HyperHead
@@ -345,7 +345,7 @@ def _checked(cache: KVCache, count: Array, t: int) -> KVCache:
     bad = (cache.positions + count > cache.max_len) | (count < 0) | (count > t)
     # Checked on a scalar, so that the check does not pull the (sharded) positions through a
     # single-device conditional. Only in decoding: a forward from position 0 cannot overflow.
-    ok = eqx.error_if(
+    ok = error_if(
         jnp.zeros((), jnp.int32),
         jnp.any(bad),
         "decode: num_tokens out of range, or the cache is full (more than max_len tokens)",
