@@ -81,6 +81,7 @@ _FIRST = (
     "test_train.py",
     "test_decode.py",
     "test_tpu.py",
+    "test_gpu.py",
     "test_sharding.py",
     "test_convert.py",
     "test_quantized.py",

@@ -93,3 +93,17 @@ def test_hyper_connection_bf16(getkey):
     u, post, comb = hc(x)
     assert u.dtype == jnp.bfloat16 and post.dtype == jnp.float32 and comb.dtype == jnp.float32
     assert hc.mix(u, x, post, comb).dtype == jnp.bfloat16
+
+
+def test_sinkhorn_rolled_equals_unrolled(getkey):
+    # The loop form GPUs' policy takes (Policy.rolled_sinkhorn) gives the unrolled numbers.
+    logits = jax.random.normal(getkey(), (5, 4, 4))
+    unrolled = sinkhorn(logits, iters=20, eps=1e-6, policy=ed.execution.Policy())
+    rolled = sinkhorn(logits, iters=20, eps=1e-6, policy=ed.execution.Policy(rolled_sinkhorn=True))
+    np.testing.assert_array_equal(np.asarray(rolled), np.asarray(unrolled))
+    jaxpr = str(
+        jax.make_jaxpr(lambda x: sinkhorn(x, 20, 1e-6, ed.execution.Policy(rolled_sinkhorn=True)))(
+            logits
+        )
+    )
+    assert "scan[" in jaxpr and "unroll=1" in jaxpr  # one loop body, 19 trips

@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         "--target-config",
         metavar="FILE",
         help="a GPU topology's GpuTargetConfigProto text (e.g. captured on a real GPU with "
-        "jax.extend's get_topology_for_devices(jax.devices()).target_config) instead of the "
-        "committed one for its GPU",
+        "jax._src.lib.xla_client.get_topology_for_devices(jax.devices()).target_config) instead "
+        "of the committed one for its GPU",
     )
     parser.add_argument(
         "--quantized",

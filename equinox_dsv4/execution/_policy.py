@@ -61,6 +61,10 @@ class Policy:
       the platform.
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
+    - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
+      compiler tries to tile every unrolled normalisation as a Triton fusion, which for
+      V4's 20 rounds at every mHC site took it over 20 minutes for one V4-Flash decode step
+      (docs/design.md); GPUs' policy.
     """
 
     platform: str = "generic"
@@ -74,6 +78,7 @@ class Policy:
     few_writes: int = 16
     few_tokens: int = 16
     stationary_rows: int = 64
+    rolled_sinkhorn: bool = False
 
     def __post_init__(self):
         if self.experts not in ("loop", "ragged"):
@@ -86,10 +91,11 @@ class Policy:
     @classmethod
     def for_platform(cls, platform: str) -> "Policy":
         """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...): the
-        plain forms and `ragged_dot` for the routed experts, except on XLA:CPU, whose forms are
-        its own and whose experts run the loop (`ragged_dot` measured far slower there)."""
+        plain forms and `ragged_dot` for the routed experts (on GPUs the Sinkhorn rounds as a
+        loop, `rolled_sinkhorn`), except on XLA:CPU, whose forms are its own and whose experts
+        run the loop (`ragged_dot` measured far slower there)."""
         if platform != "cpu":
-            return cls(platform, experts="ragged")
+            return cls(platform, experts="ragged", rolled_sinkhorn=platform == "gpu")
         return cls(
             platform,
             widen_16bit=True,

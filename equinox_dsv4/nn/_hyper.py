@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..config import Config
+from ..execution import Policy, policy_field, resolve
 from ._layers import f32, init_normal, lead
 
 
@@ -31,17 +32,19 @@ def _stream_mixes(
 
 
 def sinkhorn(
-    logits: Float[Array, "*batch n n"], iters: int, eps: float
+    logits: Float[Array, "*batch n n"], iters: int, eps: float, policy: Policy | None = None
 ) -> Float[Array, "*batch n n"]:
     """Row-softmax plus `eps`, then Sinkhorn-Knopp: one column normalisation followed by
-    `iters - 1` (row, column) rounds, the order the released kernel uses."""
+    `iters - 1` (row, column) rounds, the order the released kernel uses; the rounds unrolled
+    or as a loop as `policy` says (`Policy.rolled_sinkhorn`: the same numbers)."""
 
     def normalize(c, axis):
         return c / (jnp.sum(c, axis=axis, keepdims=True) + eps)
 
     comb = normalize(jax.nn.softmax(logits, axis=-1) + eps, -2)
+    unroll = not resolve(policy).rolled_sinkhorn
     return jax.lax.fori_loop(
-        0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb, unroll=True
+        0, iters - 1, lambda _, c: normalize(normalize(c, -1), -2), comb, unroll=unroll
     )
 
 
@@ -62,6 +65,7 @@ class HyperConnection(eqx.Module):
     sinkhorn_iters: int = eqx.field(static=True)
     hc_eps: float = eqx.field(static=True)
     norm_eps: float = eqx.field(static=True)
+    policy: Policy | None = policy_field()
 
     def __init__(self, config: Config, *, key: PRNGKeyArray):
         n = config.hc_mult
@@ -73,6 +77,7 @@ class HyperConnection(eqx.Module):
         self.sinkhorn_iters = config.hc_sinkhorn_iters
         self.hc_eps = config.hc_eps
         self.norm_eps = config.rms_norm_eps
+        self.policy = None
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         return (None,) * (2 if name == "fn" else 1)  # small: replicated
@@ -100,7 +105,10 @@ class HyperConnection(eqx.Module):
         post = 2 * jax.nn.sigmoid(mixes[..., n : 2 * n] * scale[1] + base[..., n : 2 * n])
         comb_logits = mixes[..., 2 * n :] * scale[2] + base[..., 2 * n :]
         comb = sinkhorn(
-            comb_logits.reshape(*mixes.shape[:-1], n, n), self.sinkhorn_iters, self.hc_eps
+            comb_logits.reshape(*mixes.shape[:-1], n, n),
+            self.sinkhorn_iters,
+            self.hc_eps,
+            self.policy,
         )
         u = jnp.einsum("...n,...nd->...d", pre, f32(x), precision=_HIGHEST).astype(x.dtype)
         return u, post, comb
