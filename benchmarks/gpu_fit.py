@@ -8,8 +8,9 @@ caches, on the mesh `expert=8` (each GPU holds a eighth of the routed experts, t
 weights whole, and every sequence's cache: decode steps move tokens, not weights). Weights
 that alone exceed the GPU's memory are refused before compiling. From the decode step's bytes:
 what is left beside its weights and temporaries (memory - (decode bytes - its caches)), and
-in it the longest context at batch 1 and the largest batch at 4k / 64k / 1M tokens of context
-(`ed.inference.cache_bytes`, the compressed cache as `init_cache` allocates it).
+in it the longest context at batch 1 (up to the model's limit, `max_position_embeddings`) and
+the largest batch at 4k / 64k / 1M tokens of context (`ed.inference.cache_bytes`, the
+compressed cache as `init_cache` allocates it; a larger batch's activations not counted).
 
     python benchmarks/gpu_fit.py [--gpus h100,h200,b200] [--models v4-flash,v4-pro]
 
@@ -77,6 +78,8 @@ def limits(config: ed.Config, free: int) -> dict:
         longest -= 1 << 10
     return {
         "longest_context_batch_1": max(longest, 0),
+        # The model's own limit (max_position_embeddings) caps what a sequence may hold.
+        "context_limit": config.max_position_embeddings,
         **{f"batch_at_{n}": max(free // one(n), 0) for n in CONTEXTS},
     }
 
@@ -105,7 +108,9 @@ def main() -> int:
                     row["free_bytes"] = row["memory_bytes"] - base
                     row.update(limits(config, row["free_bytes"]))
                 rows.append(row)
-    write("gpu_fit", rows, table(rows), {"mesh": "expert=8", "prefill": PREFILL, "cache": CACHE})
+    text = table(rows)
+    extra = {"mesh": "expert=8", "prefill": PREFILL, "cache": CACHE, "table": text}
+    write("gpu_fit", rows, text, extra)
     return 0
 
 
@@ -127,9 +132,13 @@ def table(rows: list[dict]) -> str:
         memory = f"{r['gpu'].upper()} ({r['memory_bytes'] / gib:.1f} GiB)"
         limits_ = ["-"] * 4
         if "free_bytes" in r:
-            limits_ = [f"{r['longest_context_batch_1'] / 2**20:.1f}M tokens"] + [
-                str(r[f"batch_at_{n}"]) for n in CONTEXTS
-            ]
+            longest = r["longest_context_batch_1"]
+            if longest >= r["context_limit"]:
+                text = f"{r['context_limit'] / 2**20:g}M (the model's limit; room for "
+                text += f"{longest / 2**20:.1f}M)"
+            else:
+                text = f"{longest / 2**10:.0f}k tokens"
+            limits_ = [text] + [str(r[f"batch_at_{n}"]) for n in CONTEXTS]
         form = "FP8/FP4" if r["form"] == "quantized" else "bf16"
         lines.append(
             f"| {r['model']} | {form} | {memory} | {cell(r['prefill'])} | {cell(r['decode'])} | "

@@ -1097,6 +1097,16 @@ SECTIONS: dict[str, Section] = {
         _tpu_memory,
         _TPU,
     ),
+    "gpu_fit": Section(
+        "What fits a node of 8 GPUs",
+        "gpu_fit.py",
+        "V4-Flash and V4-Pro, FP8/FP4 and bf16, compiled for 8 x H100 / H200 / B200 on the mesh "
+        "expert=8: per-GPU bytes of a prefill and a decode step, and the context and batch "
+        "limits in what the decode step leaves free (the table gpu_fit.py renders).",
+        lambda data: data["table"],
+        "**Estimates, not measurements**: XLA's GPU compiler (the CUDA plugin) compiled these on "
+        "a CPU host and no GPU ran them; memory is the compiler's per-GPU analysis",
+    ),
     "tpu_experts": Section(
         "TPU routed-experts kernels",
         "tpu_experts.py",
