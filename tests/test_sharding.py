@@ -228,7 +228,7 @@ def test_moe_flops_follow_top_k_not_the_number_of_experts():
 def test_compile_command(tmp_path):
     out = tmp_path / "compile.json"
     cmd = ["-m", "equinox_dsv4.compile", "--model", "tiny", "--devices", "8"]
-    cmd += ["--mesh", "fsdp=2,expert=4", "--prefill", "64", "--json", out]
+    cmd += ["--mesh", "fsdp=2,expert=4", "--prefill", "64", "--layers", "3", "--json", out]
     result = succeeded(run_python(*cmd))
     report = json.loads(out.read_text())
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "expert": 4}
@@ -236,7 +236,7 @@ def test_compile_command(tmp_path):
         row = report["phases"][phase]
         assert row["argument_bytes"] > 0 and row["temp_bytes"] > 0 and row["flops"] > 0
     assert "| prefill (64 tok)" in result.stdout
-    bad = run_python(*cmd[:-6], "--mesh", "fsdp=3")
+    bad = run_python(*cmd[:-8], "--mesh", "fsdp=3")
     assert bad.returncode == 1 and "does not match 8 devices" in bad.stderr
 
 

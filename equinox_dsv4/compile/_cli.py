@@ -211,7 +211,8 @@ def _target(args: argparse.Namespace) -> Target:
     devices = jax.devices()[: args.devices]
     if len(devices) < args.devices:
         raise ValueError(f"{args.devices} devices asked for, {len(devices)} available")
-    return Target(devices[0].platform, devices[0].platform, devices, "host", None, None)
+    kind = devices[0].device_kind
+    return Target(devices[0].platform, devices[0].platform, devices, kind, None, None)
 
 
 def _mesh(devices: list, mesh_shape: dict[str, int]):
@@ -318,8 +319,8 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         f"batch {batch}, cache {max_len} tokens",
         file=sys.stderr,
     )
-    # Weights that alone exceed a device's memory need no compile to be refused (one of
-    # V4-Pro in bf16 takes XLA's GPU compiler minutes).
+    # Weights that alone exceed a device's memory are refused before compiling: no program
+    # can make them fit, and a full-size compile takes the compiler a while.
     refusal = chip.fit_error(phases[0], _bytes_per_device(model), "the weights alone")
     if refusal:
         raise DoesNotFit(refusal, results)
