@@ -36,7 +36,6 @@ import time
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import equinox_dsv4 as ed
 
@@ -111,12 +110,6 @@ def abstract_model(config: ed.Config, form: str):
     return ed.quant.abstract_quantized(model) if form == "quantized" else model
 
 
-def cache_bytes(config: ed.Config, batch: int, length: int) -> int:
-    model = abstract_model(config, "bf16")
-    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, length), model)
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache))
-
-
 def layers_that_fit(args, form: str, memory: int | None) -> int:
     """The most layers whose weights, with the largest batch's caches and a fifth of the
     memory for activations and the compiler, fit `memory` bytes (all of them without one)."""
@@ -128,7 +121,8 @@ def layers_that_fit(args, form: str, memory: int | None) -> int:
     for n in range(full.num_hidden_layers, 0, -1):
         config = full.first_layers(n)
         weights = ed.quant.weight_bytes(abstract_model(config, form))["total"]
-        if weights + cache_bytes(config, max(args.batches), args.cache) <= 0.8 * memory:
+        caches = ed.inference.cache_bytes(config, args.cache, max(args.batches))["compressed"]
+        if weights + caches <= 0.8 * memory:
             return n
     raise SystemExit(f"not even one layer of {args.config} fits {memory / GIB:.1f} GiB")
 

@@ -25,7 +25,7 @@ import time
 from common import write
 
 import equinox_dsv4 as ed
-from equinox_dsv4.compile import DoesNotFit, run
+from equinox_dsv4.compile import DoesNotFit, parse_args, run
 
 
 PHASES = {"prefill": 1, "decode": 8}  # batch of each phase
@@ -34,21 +34,14 @@ CONTEXTS = (4096, 65536, 1 << 20)
 CONFIGS = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}
 
 
-def args_for(model: str, gpu: str, quantized: bool, phase: str) -> argparse.Namespace:
-    # What the CLI's parser gives for these flags.
-    return argparse.Namespace(
-        model=model, devices=8, mesh="expert=8", prefill=PREFILL, batch=PHASES[phase],
-        max_len=CACHE, dtype="bfloat16", mtp=False, unrolled=False, topology=f"{gpu}:8",
-        target_config=None, quantized=quantized, phases=phase, train=False, remat="dots",
-        micro_batches=1, layers=None, numerics="exact", rules={}, policy={}, json=None, hlo=None,
-    )  # fmt: skip
-
-
 def compiled(model: str, gpu: str, quantized: bool, phase: str) -> dict:
     """The phase's report row (and the run's memory), or its refusal."""
     t0 = time.perf_counter()
+    flags = f"--model {model} --topology {gpu}:8 --mesh expert=8 --phases {phase}"
+    flags += f" --prefill {PREFILL} --batch {PHASES[phase]} --max-len {CACHE}"
+    flags += " --quantized" * quantized
     try:
-        results = run(args_for(model, gpu, quantized, phase), {"expert": 8}, [phase])
+        results = run(*parse_args(flags.split()))
         refused = None
     except DoesNotFit as e:
         results, refused = e.results, str(e)

@@ -1,11 +1,12 @@
 """`python -m equinox_dsv4.compile`: compile full-size programs without weights, and say what
 they need per device (see `python -m equinox_dsv4.compile --help`); `run` is the tool without
-its command line, `target` the devices of a `--topology` (TPU, or NVIDIA GPUs).
+its command line (`parse_args` reads one), `target` the devices of a `--topology` (TPU, or
+NVIDIA GPUs).
 
 May import: everything in the package.
 """
 
-from ._cli import DoesNotFit as DoesNotFit, main as main, run as run
+from ._cli import DoesNotFit as DoesNotFit, main as main, parse_args as parse_args, run as run
 from ._targets import (
     GPU_CONFIGS as GPU_CONFIGS,
     GPU_PEAKS as GPU_PEAKS,
@@ -20,6 +21,7 @@ from ._targets import (
 __all__ = [
     "main",
     "run",
+    "parse_args",
     "DoesNotFit",
     "Target",
     "target",

@@ -79,7 +79,11 @@ def parse_policy(texts: list[str]) -> dict[str, object]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(
+    argv: list[str] | None = None,
+) -> tuple[argparse.Namespace, dict[str, int], list[str]]:
+    """The command line `argv` as `run` takes it: `(args, mesh_shape, phases)`; a bad flag
+    exits with argparse's usage message."""
     parser = argparse.ArgumentParser(
         prog="python -m equinox_dsv4.compile",
         description=__doc__,
@@ -185,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     phases = ["train"] if args.train else [p for p in args.phases.split(",") if p]
     if not phases or any(p not in PHASES for p in phases):
         parser.error(f"bad --phases {args.phases!r}: choose from {', '.join(PHASES)}")
+    return args, mesh_shape, phases
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, mesh_shape, phases = parse_args(argv)
 
     import jax
 
