@@ -87,8 +87,8 @@ def test_gpu_trace_takes_the_generic_forms(gpu_mesh):
     print(f"optimization barriers in the bf16 decode step: GPU {barriers(on_gpu)}, CPU "
           f"{barriers(on_cpu)}")  # fmt: skip
     assert barriers(on_gpu) < barriers(on_cpu)
-    # The Sinkhorn rounds a loop on GPUs (unrolled, XLA's GPU compiler took over 20 minutes
-    # for V4-Flash's decode step): one while loop more per mHC site.
+    # The Sinkhorn rounds a loop on GPUs (unrolled, XLA's GPU compiler is impractically slow
+    # on V4-Flash's decode step; docs/design.md): one while loop more per mHC site.
     loops = [len(re.findall(r"stablehlo.while", x.as_text())) for x in (on_gpu, on_cpu)]
     assert loops[0] > loops[1], loops
     # The cache check (a host callback) cannot be lowered without a GPU runtime: left out.

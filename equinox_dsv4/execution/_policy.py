@@ -63,7 +63,7 @@ class Policy:
       the tokens travel to the experts' weights instead of the weights being gathered.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
-      V4's 20 rounds at every mHC site took it over 20 minutes for one V4-Flash decode step
+      V4's rounds at every mHC site makes a full-size compile impractically slow
       (docs/design.md); GPUs' policy.
     """
 
