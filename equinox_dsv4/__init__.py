@@ -13,6 +13,7 @@ layer of the architecture (lower ones never import higher ones):
 - `ckpt`: saving, loading, canonical weight names;
 - `inference`: sampling, prefill and decode steps, generation, speculative decoding;
 - `train`: losses, optimizer, train step and state;
+- `lora`: low-rank adapters (LoRA / QLoRA), merged or saved in PEFT's layout;
 - `compile` (a tool, not imported here): `python -m equinox_dsv4.compile`.
 """
 
@@ -21,6 +22,7 @@ from . import (
     config as config,
     execution as execution,
     inference as inference,
+    lora as lora,
     nn as nn,
     parallel as parallel,
     quant as quant,
@@ -85,4 +87,5 @@ __all__ = [
     "ckpt",
     "inference",
     "train",
+    "lora",
 ]

@@ -50,6 +50,27 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
+    """`--lora DIR`: run with a LoRA adapter (`with_adapter`)."""
+    parser.add_argument(
+        "--lora",
+        metavar="DIR",
+        help="a LoRA adapter, from examples/train.py --lora or peft (PEFT layout)",
+    )
+
+
+def with_adapter(model: ed.DeepseekV4, args: argparse.Namespace) -> ed.DeepseekV4:
+    """`model` with the adapter `--lora` names (`ed.lora.load`), placed like the model."""
+    if args.lora is None:
+        return model
+    adapted = ed.lora.load(model, args.lora)
+    sharding = model.embed.weight.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        adapted = ed.shard(adapted, sharding.mesh)
+    say(f"adapter: {args.lora}")
+    return adapted
+
+
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """`--mesh` and the options of several processes (`ed.parallel.add_distributed_arguments`)."""
     parser.add_argument(

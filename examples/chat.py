@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from _common import (
     TextStream,
+    add_adapter_argument,
     add_model_arguments,
     add_sampling_arguments,
     check_vocabulary,
@@ -36,6 +37,7 @@ from _common import (
     new_parser,
     run_reporting_errors,
     sampling,
+    with_adapter,
 )
 
 import equinox_dsv4 as ed
@@ -247,6 +249,7 @@ def read_json(path: str, what: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = new_parser(__doc__)
     add_model_arguments(parser)
+    add_adapter_argument(parser)
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--tools", metavar="FILE", help="OpenAI function tools (JSON list)")
     parser.add_argument("--thinking", action="store_true", help="start in thinking mode")
@@ -299,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     sampling(args)  # refuse bad sampling options before loading the model
     model, described = load_model(args, mtp=False)
     print(f"model: {described}", file=sys.stderr)
+    model = with_adapter(model, args)
     # V4-Flash-0731 is the release that ships a DSpark drafter and the 0731 protocol; the chat
     # loads no drafter, so a release checkpoint's config.json tells.
     announced = ed.Config.from_json(pathlib.Path(args.hf) / "config.json") if args.hf else None

@@ -12,6 +12,7 @@ import time
 import jax
 from _common import (
     TextStream,
+    add_adapter_argument,
     add_mesh_arguments,
     add_model_arguments,
     add_sampling_arguments,
@@ -22,6 +23,7 @@ from _common import (
     run_reporting_errors,
     sampling,
     say,
+    with_adapter,
 )
 
 import equinox_dsv4 as ed
@@ -30,6 +32,7 @@ import equinox_dsv4 as ed
 def main(argv: list[str] | None = None) -> int:
     parser = new_parser(__doc__)
     add_model_arguments(parser)
+    add_adapter_argument(parser)
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--raw", action="store_true", help="no chat template: the prompt as is")
     parser.add_argument("--thinking", action="store_true", help="open the reply with <think>")
@@ -69,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         args, mtp=args.speculative or False, layers=args.layers, mesh=mesh_from(args)
     )
     say(f"model: {described} (loaded in {time.perf_counter() - t0:.1f} s)")
+    model = with_adapter(model, args)
     check_vocabulary(model)
 
     text_stream = TextStream()

@@ -12,6 +12,11 @@ the end (or at `--stop-after`) the model is also saved to `OUT/model`, loadable 
 `examples/generate.py --checkpoint OUT/model`.
 
 With no model argument it trains the embedded tiny default from a seeded random init.
+
+`--lora RANK` trains low-rank adapters instead (`ed.lora`: LoRA, or QLoRA over a checkpoint's
+FP8/FP4 weights, kept quantised): the base stays as loaded, the optimizer holds the adapters'
+moments only, and the end of the run saves the adapter alone to `OUT/adapter` in PEFT's
+layout, for `examples/generate.py --lora OUT/adapter` (or transformers + peft).
 """
 
 import argparse
@@ -81,6 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         help="FSDP over this many devices (default: 1, or all devices with several processes)",
     )
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
+    parser.add_argument(
+        "--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank, not the model"
+    )
+    parser.add_argument(
+        "--lora-alpha", type=float, metavar="A", help="LoRA scale numerator (default: RANK)"
+    )
+    parser.add_argument(
+        "--lora-targets",
+        nargs="+",
+        choices=tuple(ed.lora.TARGETS),
+        metavar="NAME",
+        help=f"weights to adapt (default: all of {', '.join(ed.lora.TARGETS)})",
+    )
     ed.parallel.add_distributed_arguments(parser)
     return run_reporting_errors(run, parser.parse_args(argv))
 
@@ -90,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--steps, --batch, --seq-len and --save-every must be positive")
     if args.stop_after is not None and args.stop_after <= 0:
         raise ValueError(f"--stop-after must be positive, got {args.stop_after}")
+    if args.lora is not None and args.lora <= 0:
+        raise ValueError(f"--lora must be a positive rank, got {args.lora}")
+    if args.lora is None and (args.lora_alpha is not None or args.lora_targets):
+        raise ValueError("--lora-alpha and --lora-targets need --lora RANK")
     if args.micro_batches <= 0 or args.batch % args.micro_batches:
         raise ValueError(
             f"--batch {args.batch} does not split into {args.micro_batches} micro-batches"
@@ -110,6 +132,14 @@ def run(args: argparse.Namespace) -> int:
         mesh = ed.make_mesh(fsdp=fsdp)
     model, source = load_model(args, layers=args.layers, mesh=mesh)
     say(f"model: {source} ({time.perf_counter() - t0:.1f} s)")
+    if args.lora is not None:
+        key = jax.random.key(args.seed + 1)
+        model = ed.lora.add(
+            model, rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets, key=key
+        )
+        if mesh is not None:  # the adapters placed like their weights
+            model = ed.shard(model, mesh)
+        say(f"LoRA: rank {args.lora}, targets {', '.join(args.lora_targets or ed.lora.TARGETS)}")
     say(f"data: {args.text}, {len(tokens)} tokens")
 
     optimizer = ed.make_optimizer(
@@ -166,14 +196,21 @@ def run(args: argparse.Namespace) -> int:
                 ed.train.save_train_state(state_dir, state, data_position=position)
         bar.close()
 
-    model_dir = out / "model"
-    if ed.parallel.is_primary():
-        shutil.rmtree(model_dir, ignore_errors=True)
-    ed.parallel.barrier("examples-train-old-model-removed")
-    ed.save(model_dir, state.model)
+    if args.lora is not None:
+        model_dir = out / "adapter"
+        if ed.parallel.is_primary():
+            ed.lora.save(state.model, model_dir)
+        ed.parallel.barrier("examples-train-adapter-saved")
+    else:
+        model_dir = out / "model"
+        if ed.parallel.is_primary():
+            shutil.rmtree(model_dir, ignore_errors=True)
+        ed.parallel.barrier("examples-train-old-model-removed")
+        ed.save(model_dir, state.model)
     say(
         f"trained steps {start}..{stop} of {args.steps}: final loss {loss:.4f}, "
-        f"{rate:.0f} tokens/s after the first step; state in {state_dir}, model in {model_dir}"
+        f"{rate:.0f} tokens/s after the first step; state in {state_dir}, "
+        f"{'adapter' if args.lora is not None else 'model'} in {model_dir}"
     )
     return 0
 

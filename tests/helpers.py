@@ -26,7 +26,7 @@ SAME = dict(atol=1e-6, rtol=1e-6)
 # CPU devices).
 COMPILE_REPORT_KEYS = sorted(
     ["batch", "build_seconds", "cache_bytes", "device", "device_memory_bytes", "devices",
-     "dtype", "layers", "max_len", "mesh", "micro_batches", "model", "numerics",
+     "dtype", "layers", "lora", "max_len", "mesh", "micro_batches", "model", "numerics",
      "parameter_bytes", "parameter_bytes_per_device_ideal", "parameters", "peak", "phases",
      "platform", "policy", "quantized", "remat", "rules", "topology", "unrolled"]
 )  # fmt: skip

@@ -155,6 +155,27 @@ def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):
     assert decode["argument_bytes"] < 1.5 * ideal
 
 
+def test_compile_command_qlora_train_step_for_a_topology(tmp_path, tpu_mesh):
+    # QLoRA on a v5p:2x2x1: the release's FP8/FP4 base frozen, rank-4 adapters trained, the
+    # optimizer's moments of the adapters only (so the arguments are about the placed weights,
+    # not three times them as in a full fine-tune), the useful FLOPs those of the forward and
+    # the activations' backward.
+    from equinox_dsv4 import compile as compile_cli
+
+    del tpu_mesh  # the topology is held by this process already
+    out = tmp_path / "qlora.json"
+    args = ["--model", "tiny", "--topology", "v5p:2x2x1", "--mesh", "fsdp=2,expert=2"]
+    args += ["--train", "--lora", "4", "--quantized", "--seq-len", "64", "--batch", "2"]
+    args += ["--layers", "2", "--json", str(out)]
+    assert compile_cli.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["lora"] == 4 and report["quantized"] and list(report["phases"]) == ["train"]
+    train = report["phases"]["train"]
+    config = ed.Config.tiny(num_nextn_predict_layers=0).first_layers(2)
+    assert train["useful_flops"] == 2 * ed.train.forward_flops(config, 64, logits="all") * 2 / 4
+    assert train["argument_bytes"] < 0.8 * report["parameter_bytes"], train
+
+
 def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
     # The CLI's train step: AdamW's moments placed as the parameters (arguments near the
     # ideal split), two micro-batches, and the roofline's MFU bound from an unrolled program.

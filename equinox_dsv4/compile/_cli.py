@@ -24,13 +24,17 @@ the MFU, printed for unrolled programs only. XLA's GPU compiler counts no FLOPs:
 `--quantized` keeps the release's FP8/FP4 weights quantised, as
 `convert.load_hf(..., quantized=True)` does. `--train` compiles one training step instead
 (`make_train_step`: AdamW with its moments placed as the parameters, per-layer `--remat`,
-`--micro-batches` of gradient accumulation) on `--batch` sequences of `--seq-len` tokens.
+`--micro-batches` of gradient accumulation) on `--batch` sequences of `--seq-len` tokens;
+with `--lora RANK`, of LoRA adapters of that rank on the default targets (`ed.lora.add`; with
+`--quantized`, QLoRA), the base frozen, the optimizer's moments of the adapters only.
 
     python -m equinox_dsv4.compile --model v4-flash --devices 64 --mesh fsdp=8,expert=8
     python -m equinox_dsv4.compile --model v4-flash --topology v5p:4x4x4 --quantized
     python -m equinox_dsv4.compile --model v4-pro --topology h200:8 --mesh expert=8 --quantized
     python -m equinox_dsv4.compile --train --topology v5p:4x8x8 --mesh fsdp=32,expert=8 \
         --seq-len 4096 --batch 32
+    python -m equinox_dsv4.compile --train --lora 16 --quantized --topology v5p:2x2x1 \
+        --mesh fsdp=1,expert=4 --seq-len 4096 --batch 1
 """
 
 import argparse
@@ -149,6 +153,12 @@ def parse_args(
         help="the train step's gradient accumulation: micro-batches per step (make_train_step)",
     )
     parser.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="with the adapters of ed.lora.add at this rank (the train step trains only them)",
+    )
+    parser.add_argument(
         "--layers", type=int, help="keep only the first N decoder layers (Config.first_layers)"
     )
     parser.add_argument(
@@ -186,6 +196,8 @@ def parse_args(
         args.policy = parse_policy(args.policy)
     except ValueError as e:
         parser.error(str(e))
+    if args.lora is not None and args.lora < 1:
+        parser.error(f"--lora must be a positive rank, got {args.lora}")
     phases = ["train"] if args.train else [p for p in args.phases.split(",") if p]
     if not phases or any(p not in PHASES for p in phases):
         parser.error(f"bad --phases {args.phases!r}: choose from {', '.join(PHASES)}")
@@ -274,6 +286,10 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0), dtype=dtype)
     if args.quantized:
         model = ed.quant.abstract_quantized(model)
+    if args.lora:
+        model = eqx.filter_eval_shape(
+            lambda m: ed.lora.add(m, rank=args.lora, key=jax.random.key(1)), model
+        )
     if args.policy:
         platform = ed.execution.Policy.for_platform(devices[0].platform)
         model = ed.execution.with_policy(model, dataclasses.replace(platform, **args.policy))
@@ -298,6 +314,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "topology": args.topology,
         "platform": devices[0].platform,
         "quantized": args.quantized,
+        "lora": args.lora,
         "numerics": args.numerics,
         "unrolled": args.unrolled,
         "layers": config.num_hidden_layers,

@@ -9,7 +9,11 @@ def estimate(args, chip, config, phase: str, tokens: int, batch: int, devices: i
     import equinox_dsv4 as ed
 
     useful = None  # a decode step's useful work depends on its context: not estimated
-    if phase == "train":
+    if phase == "train" and getattr(args, "lora", None):
+        # The frozen weights get no gradient: the forward and the activations' backward (the
+        # adapters' own products are negligible).
+        useful = 2 * ed.train.forward_flops(config, tokens, logits="all")
+    elif phase == "train":
         useful = ed.train.train_flops(config, tokens)
     elif phase == "prefill":
         useful = ed.train.forward_flops(config, tokens)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..quant import QuantizedWeight, act_quant
+from ..quant import LoraWeight, QuantizedWeight, act_quant, base_of
 from ._expert_loop import _expert_block, _over_experts, expert_mlps, swiglu
 from ._policy import Policy, resolve
 from ._products import wider_dtype
@@ -28,9 +28,9 @@ def dispatch(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
@@ -49,8 +49,10 @@ def dispatch(
     experts' weights gathered at once and the products batched (for weights that are a value,
     not a parameter: a slice of a scanned layer stack, weights gathered across devices, which
     a loop would copy whole to pass in). Every product is laid out by `policy` (`None`: the
-    target platform's). `numerics`: under `"release"`, each expert's hidden activation makes
-    the FP8 round trip before `w2` (`act_quant`); `x` is the caller's to quantise.
+    target platform's). A `LoraWeight` stack runs its adapters in every form, on the rows
+    its expert takes, beside the base's products (`linear`). `numerics`: under `"release"`,
+    each expert's hidden activation makes the FP8 round trip before `w2` (`act_quant`); `x`
+    is the caller's to quantise.
 
     **Returns:** float32 `sum_j weights[:, j] * expert_{indices[:, j]}(x)`; with many
     assignments each one's output is rounded to `x.dtype` before the sum.
@@ -68,7 +70,7 @@ def dispatch(
         ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
         ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
-    quantized = isinstance(w1, QuantizedWeight)
+    quantized = isinstance(base_of(w1), QuantizedWeight)
     if policy.experts == "ragged" and not quantized:
         ys = _ragged(x, weights, expert, top_k, w1, w2, w3, act)
         return jnp.sum(ys.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1)
@@ -126,6 +128,9 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
     precision = jax.lax.Precision.DEFAULT if jnp.dtype(c).itemsize < 4 else None
 
     def product(a, w):
+        if isinstance(w, LoraWeight):  # the adapter's two thin ragged products beside the base's
+            delta = w.scale * product(product(a, w.a), w.b)
+            return product(a, w.base) + delta
         return jax.lax.ragged_dot_general(
             a.astype(c),
             w.astype(c),

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ..quant import QuantizedWeight, act_quant, dense
+from ..quant import LoraWeight, QuantizedWeight, act_quant, base_dense
 from ._policy import Policy, resolve
 from ._products import linear, wider_dtype
 from ._schedule import zeros_after
@@ -72,6 +72,21 @@ def _over_rows(start, n, block, tail, carry, body):
     return jax.lax.fori_loop(0, short, lambda i, c: body(c, rest + i * tail, tail), carry)
 
 
+def _barrier(tree: Any) -> Any:
+    # One optimization barrier per set of mesh axes the leaves vary over: a barrier's outputs
+    # vary over the union of its operands' axes, and a loop carry must keep its type (a
+    # `LoraWeight`'s factors need not vary like its base under a `shard_map`).
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[frozenset, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(_varying(leaf), []).append(i)
+    for members in groups.values():
+        held = jax.lax.optimization_barrier([leaves[i] for i in members])
+        for i, leaf in zip(members, held, strict=True):
+            leaves[i] = leaf
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def _over_experts(body, carry, stacks, chosen, xs, policy):
     # A scan of body(carry, (w1[e], w2[e], w3[e]), x) -> (carry, y) over the experts e in
     # `chosen` and the matching entries x of `xs`. The stacks ride in the carry; under
@@ -82,7 +97,7 @@ def _over_experts(body, carry, stacks, chosen, xs, policy):
     def step(carry, a):
         carry, stacks = carry
         if barrier:
-            stacks = jax.lax.optimization_barrier(stacks)
+            stacks = _barrier(stacks)
         e, x = a
         carry, y = body(carry, tuple(w[e] for w in stacks), x)
         return (carry, stacks), y
@@ -95,9 +110,9 @@ def _over_experts(body, carry, stacks, chosen, xs, policy):
 def expert_mlps(
     xs: Float[Array, "rows d_model"],
     ws: Float[Array, " rows"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
     first: Int[Array, " experts"],
     count: Int[Array, " experts"],
     act: tuple[float, str],
@@ -116,18 +131,21 @@ def expert_mlps(
     computed for padding, and a block's gate, up and hidden values never leave the loop body.
     The trip counts depend on the routing, which reverse-mode autodiff cannot go through, so
     the gradient is written out: the backward pass recomputes each block's hidden values and
-    sums each expert's weight gradients over its blocks. `policy` lays out the products and
-    the buffer the blocks are written to (`Policy.held_dtype`).
+    sums each expert's weight gradients over its blocks, for the weights being differentiated
+    only (a frozen stack, a `QuantizedWeight`, the base of a `LoraWeight` gets none computed).
+    A `LoraWeight` stack's adapters run on each block's rows beside its expert's base
+    (`linear`). `policy` lays out the products and the buffer the blocks are written to
+    (`Policy.held_dtype`).
     """
-    return _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)[0]
+    return _forward(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
 
 
-def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
+def _forward(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
     c = wider_dtype(xs, w1)
     held = resolve(policy).held_dtype(xs.dtype)
 
     def expert(out, w, args):
-        w1e, w2e, w3e = (dense(a, c) for a in w)
+        w1e, w2e, w3e = (base_dense(a, c) for a in w)
         start, n = args
 
         def rows(out, offset, size):
@@ -141,45 +159,111 @@ def _expert_mlps_fwd(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
     out = varying_like(zeros_after((xs.shape[0], w2.shape[1]), held, xs), xs, w1)
     experts = jnp.arange(w1.shape[0])
     out = _over_experts(expert, out, (w1, w2, w3), experts, (first, count), policy)[0]
-    return out.astype(xs.dtype), (xs, ws, w1, w2, w3, first, count)
+    return out.astype(xs.dtype)
 
 
-def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
-    xs, ws, w1, w2, w3, first, count = residuals
+def _wanted(weight: Any) -> Any:
+    # From a weight's `CustomVJPPrimal` leaves: which parts the caller differentiates, as a
+    # tree of empty arrays (wanted) and `None`s (not), which rides in the residuals as their
+    # structure. A `QuantizedWeight` never gets a cotangent.
+    def flag(p):
+        return jnp.zeros((0,), jnp.float32) if p.perturbed else None
+
+    if isinstance(weight, QuantizedWeight):
+        return None
+    if isinstance(weight, LoraWeight):
+        return (_wanted(weight.base), flag(weight.a), flag(weight.b))
+    return flag(weight)
+
+
+def _fwd_rule(xs, ws, w1, w2, w3, first, count, act, block, tail, policy):
+    wanted = tuple(_wanted(w) for w in (w1, w2, w3))
+    xs, ws, w1, w2, w3, first, count = jax.tree.map(
+        lambda p: p.value,
+        (xs, ws, w1, w2, w3, first, count),
+        is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal),
+    )
+    out = _forward(xs, ws, w1, w2, w3, first, count, act, block, tail, policy)
+    return out, (xs, ws, w1, w2, w3, first, count, wanted)
+
+
+def _product_vjp(x, w, dy, wanted, dot):
+    # The cotangents of `y = linear(x, w)` (a dense expert weight, or a `LoraWeight` with a
+    # dense base): of `x`, and of the wanted parts of `w` (float32; `None` elsewhere).
+    if isinstance(w, LoraWeight):
+        base_wanted, a_wanted, b_wanted = wanted
+        dx, dbase = _product_vjp(x, w.base, dy, base_wanted, dot)
+        dyb = w.scale * dot("bo,or->br", dy, w.b)  # the cotangent of A x
+        dx = dx + dot("br,ri->bi", dyb, w.a)
+        da = dot("br,bi->ri", dyb, x) if a_wanted is not None else None
+        db = (
+            w.scale * dot("bo,br->or", dy, dot("bi,ri->br", x, w.a))
+            if b_wanted is not None
+            else None
+        )
+        return dx, (dbase, da, db)
+    dw = dot("bo,bi->oi", dy, x) if wanted is not None else None
+    return dot("bo,oi->bi", dy, w), dw
+
+
+def _as_cotangent(grad: Any, weight: Any) -> Any:
+    # A summed float32 gradient tree (from `_product_vjp`) as the cotangent of `weight`.
+    if grad is None or isinstance(weight, QuantizedWeight):
+        return None
+    if isinstance(weight, LoraWeight):
+        dbase, da, db = grad
+        return LoraWeight(
+            _as_cotangent(dbase, weight.base),
+            _as_cotangent(da, weight.a),
+            _as_cotangent(db, weight.b),
+            weight.scale,
+        )
+    return _summed_like(grad, weight).astype(weight.dtype)
+
+
+def _bwd_rule(act, block, tail, policy, residuals, dys):
+    xs, ws, w1, w2, w3, first, count, wanted = residuals
+    if isinstance(dys, jax.custom_derivatives.SymbolicZero):
+        dys = jnp.zeros(dys.aval.shape, dys.aval.dtype)
     c = wider_dtype(xs, w1)
     held = resolve(policy).held_dtype(xs.dtype)
 
     def dot(spec, a, b):
         return jnp.einsum(spec, a.astype(c), b.astype(c), preferred_element_type=jnp.float32)
 
+    def zeros_for(wanted_part, like):
+        # A float32 accumulator per wanted part of one expert's weight.
+        if isinstance(like, LoraWeight):
+            return tuple(
+                zeros_for(w, p)
+                for w, p in zip(wanted_part, (like.base, like.a, like.b), strict=True)
+            )
+        if wanted_part is None:
+            return None
+        return varying_like(jnp.zeros(like.shape, jnp.float32), xs, dys, w1)
+
     def expert(carry, w, args):
-        w1e, w2e, w3e = (dense(a, c) for a in w)
+        w1e, w2e, w3e = (base_dense(a, c) for a in w)
         start, n = args
 
         def rows(carry, offset, size):
-            dxs, dws, d1, d2, d3 = carry
+            dxs, dws, grads = carry
             xb = jax.lax.dynamic_slice_in_dim(xs, offset, size).astype(c)
             wb = jax.lax.dynamic_slice_in_dim(ws, offset, size)
             dy = jax.lax.dynamic_slice_in_dim(dys, offset, size)
             g, u, a, h = _hidden(xb, wb, w1e, w3e, act, xs.dtype, policy)
-            d2 = d2 + dot("bo,bi->oi", dy, h)
-            dh = dot("bo,oi->bi", dy, w2e)
+            dh, d2 = _product_vjp(h, w2e, dy, wanted[1], dot)
             dws = jax.lax.dynamic_update_slice_in_dim(dws, jnp.sum(dh * a, axis=-1), offset, 0)
             dg, du = jax.vjp(lambda g, u: swiglu(g, u, act[0]), g, u)[1](dh * wb[:, None])
-            d1 = d1 + dot("bo,bi->oi", dg, xb)
-            d3 = d3 + dot("bo,bi->oi", du, xb)
-            dx = dot("bo,oi->bi", dg, w1e) + dot("bo,oi->bi", du, w3e)
-            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, dx.astype(held), offset, 0)
-            return dxs, dws, d1, d2, d3
+            dx1, d1 = _product_vjp(xb, w1e, dg, wanted[0], dot)
+            dx3, d3 = _product_vjp(xb, w3e, du, wanted[2], dot)
+            dxs = jax.lax.dynamic_update_slice_in_dim(dxs, (dx1 + dx3).astype(held), offset, 0)
+            return dxs, dws, jax.tree.map(jnp.add, grads, (d1, d2, d3))
 
-        zeros = [varying_like(jnp.zeros(a.shape, jnp.float32), xs, dys, w1) for a in w]
-        dxs, dws, d1, d2, d3 = _over_rows(start, n, block, tail, (*carry, *zeros), rows)
-        # A quantised weight is frozen (see `trainable`): no cotangent.
-        grads = (d1, d2, d3)
-        return (dxs, dws), tuple(
-            None if isinstance(w, QuantizedWeight) else _summed_like(g, w).astype(w.dtype)
-            for g, w in zip(grads, (w1, w2, w3), strict=True)
-        )
+        zeros = tuple(zeros_for(m, e) for m, e in zip(wanted, (w1e, w2e, w3e), strict=True))
+        dxs, dws, grads = _over_rows(start, n, block, tail, (*carry, zeros), rows)
+        cotangents = tuple(_as_cotangent(g, wt) for g, wt in zip(grads, (w1, w2, w3), strict=True))
+        return (dxs, dws), cotangents
 
     init = (
         varying_like(zeros_after(xs.shape, held, dys), dys, w1),
@@ -192,4 +276,4 @@ def _expert_mlps_bwd(act, block, tail, policy, residuals, dys):
     return dxs.astype(xs.dtype), dws, d1, d2, d3, None, None
 
 
-expert_mlps.defvjp(_expert_mlps_fwd, _expert_mlps_bwd)
+expert_mlps.defvjp(_fwd_rule, _bwd_rule, symbolic_zeros=True)

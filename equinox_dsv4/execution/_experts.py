@@ -6,13 +6,22 @@ to the weights for few."""
 
 import functools
 from dataclasses import replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ..quant import ACT_BLOCK, RELEASE, QuantizedWeight, act_quant, whole_blocks
+from ..quant import (
+    ACT_BLOCK,
+    RELEASE,
+    LoraWeight,
+    QuantizedWeight,
+    act_quant,
+    base_of,
+    whole_blocks,
+)
 from ._dispatch import dispatch
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
@@ -24,9 +33,9 @@ def routed_experts(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
@@ -44,9 +53,9 @@ def expert_parallel(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight,
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
@@ -66,14 +75,18 @@ def expert_parallel(
     expert, once, where the assignments are at least as many as the local experts; gathering
     the hidden activations, or summing partial products over `fsdp` when `d_model` is what is
     split) and then its slice of `w2`, whose outputs go back to the tokens' devices, so a
-    decode step moves activations, not every expert's weights."""
+    decode step moves activations, not every expert's weights.
+
+    A `LoraWeight` stack's `A` is split like its base's input dim and `B` like its output dim
+    (`ShardingRules` places them so): each device's products with its slices sum to the
+    adapted weight's as the base's do."""
     mesh = jax.sharding.get_abstract_mesh()
     policy = resolve(policy)
     # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
     # under the release's numerics each device's share of the hidden units must also hold
     # whole 128-wide activation blocks, or its round trips would differ from one device's.
     parts = mesh_axis("tensor")
-    tensor_ok = whole_blocks(w1, -2, parts) and whole_blocks(w2, -1, parts)
+    tensor_ok = whole_blocks(base_of(w1), -2, parts) and whole_blocks(base_of(w2), -1, parts)
     if numerics == RELEASE:
         tensor_ok = tensor_ok and w1.shape[-2] % (parts * ACT_BLOCK) == 0
     tensor = "tensor" if mesh_axis("tensor") > 1 and tensor_ok else None
@@ -81,10 +94,11 @@ def expert_parallel(
     # layout change demanded at the boundary would be applied to a scanned stack's whole
     # weight, before the loop.
     fsdp = "fsdp" if mesh_axis("fsdp") > 1 else None
-    up = bool(fsdp) and whole_blocks(w1, -2, (parts if tensor else 1) * mesh_axis("fsdp"))
+    b1, b2 = base_of(w1), base_of(w2)
+    up = bool(fsdp) and whole_blocks(b1, -2, (parts if tensor else 1) * mesh_axis("fsdp"))
     split = {
-        "w1": 1 if up else 2 if fsdp and whole_blocks(w1, -1, mesh_axis("fsdp")) else None,
-        "w2": 1 if fsdp and whole_blocks(w2, -2, mesh_axis("fsdp")) else None,
+        "w1": 1 if up else 2 if fsdp and whole_blocks(b1, -1, mesh_axis("fsdp")) else None,
+        "w2": 1 if fsdp and whole_blocks(b2, -2, mesh_axis("fsdp")) else None,
     }
     if split["w1"] is None and split["w2"] is None:
         fsdp = None
@@ -120,12 +134,32 @@ def expert_parallel(
     if hidden is not None and len(hidden) == 1:
         hidden = hidden[0]
     w13 = P("expert", hidden, fsdp if split["w1"] == 2 else None)
+    w2_spec = P("expert", fsdp if split["w2"] else None, tensor)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(row, row, row, w13, P("expert", fsdp if split["w2"] else None, tensor), w13),
+        in_specs=(
+            row,
+            row,
+            row,
+            weight_spec(w1, w13),
+            weight_spec(w2, w2_spec),
+            weight_spec(w3, w13),
+        ),
         out_specs=row,
     )(x, indices, weights, w1, w2, w3)
+
+
+def weight_spec(weight: Any, spec: P) -> Any:
+    """The `shard_map` spec of a weight whose base takes `spec` (`[*lead, out, in]`): a
+    quantised one's values and scales alike; a `LoraWeight`'s `A` split like the base's input
+    dim, its `B` like the base's output dim (their rank dims whole)."""
+    if not isinstance(weight, LoraWeight):
+        return spec
+    *lead, out, inner = tuple(spec) + (None,) * (weight.ndim - len(spec))
+    return LoraWeight(
+        weight_spec(weight.base, spec), P(*lead, None, inner), P(*lead, out, None), weight.scale
+    )
 
 
 def _mine(indices, weights, n_local):
@@ -139,9 +173,14 @@ def _mine(indices, weights, n_local):
 def _gathering(x, indices, weights, w1, w2, w3, *, act, axes, spread, reduce, policy):
     # Many tokens: this device's experts' weights gathered over fsdp, its own tokens computed.
     def gather(w, axis):
-        # A quantised weight's values and scales are gathered alike (same rank, same axes).
+        # A quantised weight's values and scales are gathered alike (same rank, same axes); of
+        # a `LoraWeight`, the base and the factor split along that dim (`weight_spec`).
         if axis is None:
             return w
+        if isinstance(w, LoraWeight):
+            a = gather(w.a, axis) if axis == w.ndim - 1 else w.a
+            b = gather(w.b, axis) if axis == w.ndim - 2 else w.b
+            return LoraWeight(gather(w.base, axis), a, b, w.scale)
         return jax.tree.map(lambda a: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True), w)
 
     w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])

@@ -7,21 +7,23 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
-from ..quant import QuantizedWeight, dense
+from ..quant import LoraWeight, QuantizedWeight, dense
 from ._mesh import mesh_axis
 from ._policy import Policy, resolve
 
 
-def wider_dtype(a: Array | QuantizedWeight, b: Array | QuantizedWeight) -> jnp.dtype:
+def wider_dtype(
+    a: Array | QuantizedWeight | LoraWeight, b: Array | QuantizedWeight | LoraWeight
+) -> jnp.dtype:
     """The wider of two operands' dtypes, where mixed operands (bf16 activations against
     float32 weights, or the reverse) meet: strict dtype promotion has no bf16/f32 lattice. A
-    `QuantizedWeight` counts as the dtype it dequantises to."""
+    `QuantizedWeight` counts as the dtype it dequantises to, a `LoraWeight` as its base's."""
     return max(a.dtype, b.dtype, key=lambda t: t.itemsize)
 
 
 def linear(
     x: Float[Array, "*batch in"],
-    weight: Float[Array, "out in"] | QuantizedWeight,
+    weight: Float[Array, "out in"] | QuantizedWeight | LoraWeight,
     policy: Policy | None,
     *,
     dtype: DTypeLike | None = None,
@@ -30,8 +32,13 @@ def linear(
     """`x @ weight.T`, accumulated and returned in `dtype` (default: the operands' dtype).
     Where `policy` widens the operands, the product takes `linear_widened`'s form (`None`: the
     policy of the target platform). A `QuantizedWeight` is dequantised here, for this product
-    only. `precision`: as `jnp.einsum`'s (`HIGHEST` for float32 products that must not run at
-    a backend's lower default precision)."""
+    only. A `LoraWeight` gives its base's product plus `scale * B (A x)` (`lora_delta`), added
+    in the output dtype: with `B = 0` exactly the base's product. `precision`: as
+    `jnp.einsum`'s (`HIGHEST` for float32 products that must not run at a backend's lower
+    default precision)."""
+    if isinstance(weight, LoraWeight):
+        y = linear(x, weight.base, policy, dtype=dtype, precision=precision)
+        return y + lora_delta(x, weight, policy).astype(y.dtype)
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize()
     if x.dtype != weight.dtype:
@@ -43,6 +50,14 @@ def linear(
     return jnp.einsum(
         "...i,oi->...o", x, weight, preferred_element_type=out_dtype, precision=precision
     )
+
+
+def lora_delta(
+    x: Float[Array, "*batch in"], weight: LoraWeight, policy: Policy | None
+) -> Float[Array, "*batch out"]:
+    """`scale * B (A x)` of a `LoraWeight`, float32: two thin products, never `B A`."""
+    h = linear(x, weight.a, policy, dtype=jnp.float32)
+    return weight.scale * linear(h, weight.b, policy, dtype=jnp.float32)
 
 
 def linear_widened(x: Array, weight: Array, out_dtype: DTypeLike) -> Array:
@@ -67,7 +82,7 @@ def linear_widened(x: Array, weight: Array, out_dtype: DTypeLike) -> Array:
 
 def grouped_linear(
     x: Float[Array, "batch seq groups group_in"],
-    weight: Float[Array, "groups_x_out group_in"] | QuantizedWeight,
+    weight: Float[Array, "groups_x_out group_in"] | QuantizedWeight | LoraWeight,
     policy: Policy | None,
 ) -> Float[Array, "batch seq groups out"]:
     """Group `g` of `x` times the `g`-th of the `groups` equal row blocks of `weight`: a
@@ -77,7 +92,19 @@ def grouped_linear(
     the batched einsum as a matmul per token), except for `policy.few_tokens` tokens or fewer
     (a decode step), where the einsum reads the weight as stored; 16-bit ones always take the
     per-group matmuls (the einsum would convert the whole weight). Groups split over the
-    `tensor` mesh axis take the einsum: each device computes its own."""
+    `tensor` mesh axis take the einsum: each device computes its own. A `LoraWeight`'s
+    adapter is `B`'s `g`-th row block times `A` on each group (`A` is shared: `B A` is the
+    whole weight's update, as `merged` forms it)."""
+    if isinstance(weight, LoraWeight):
+        y = grouped_linear(x, weight.base, policy)
+        b, s, g, _ = x.shape
+        c = wider_dtype(x, weight.a)
+        h = jnp.einsum(
+            "bsgi,ri->bsgr", x.astype(c), weight.a.astype(c), preferred_element_type=jnp.float32
+        )
+        up = weight.b.reshape(g, -1, weight.rank).astype(jnp.float32)
+        delta = weight.scale * jnp.einsum("bsgr,gor->bsgo", h, up)
+        return y + delta.astype(y.dtype)
     policy = resolve(policy)
     b, s, g, _ = x.shape
     w = dense(weight, x.dtype).reshape(g, -1, x.shape[-1])

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .._typecheck import typechecked
 from ..execution import batch_axes
 from ..nn import KVCache, LayerStack
-from ..quant import QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight
 
 
 # A model, or any module of one (e.g. a layer's `Experts`): placement is by its own axes.
@@ -169,6 +169,16 @@ def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
                 elif isinstance(value, QuantizedWeight):  # scales go with their weight
                     axes = lead + tuple(node.param_axes(field.name))
                     out[child + ".values"] = out[child + ".scale"] = axes
+                elif isinstance(value, LoraWeight):
+                    # The base keeps the weight's axes; the factors are placed from the base's
+                    # spec (`partition_specs`), their rank dims unnamed.
+                    axes = lead + tuple(node.param_axes(field.name))
+                    if isinstance(value.base, QuantizedWeight):
+                        out[child + ".base.values"] = out[child + ".base.scale"] = axes
+                    else:
+                        out[child + ".base"] = axes
+                    out[child + ".a"] = (*axes[:-2], None, axes[-1])
+                    out[child + ".b"] = (*axes[:-2], axes[-2], None)
                 elif value is not None:
                     visit(value, child, lead)
 
@@ -184,6 +194,15 @@ def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) ->
 
     def spec(path, leaf):
         key = jax.tree_util.keystr(path)
+        if isinstance(leaf, LoraWeight):
+            # The factors follow the base: `A` split like its input dim, `B` like its output
+            # dim, so that each device's slices of the adapted product sum like the base's
+            # (`execution.weight_spec`).
+            base = spec(path + (jax.tree_util.GetAttrKey("base"),), leaf.base)
+            whole = base if isinstance(base, PartitionSpec) else base.values
+            *lead, out, inner = tuple(whole) + (None,) * (leaf.ndim - len(whole))
+            a, b = PartitionSpec(*lead, None, inner), PartitionSpec(*lead, out, None)
+            return LoraWeight(base, a, b, leaf.scale)
         if not isinstance(leaf, QuantizedWeight):
             return rules.spec(axes[key], leaf.shape, mesh)
         # Values and scales split alike, into whole blocks, so each device dequantises its own.
@@ -192,7 +211,7 @@ def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) ->
         return jax.tree.map(lambda _: one, leaf)
 
     return jax.tree_util.tree_map_with_path(
-        spec, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+        spec, model, is_leaf=lambda x: isinstance(x, QuantizedWeight | LoraWeight)
     )
 
 

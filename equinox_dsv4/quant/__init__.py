@@ -1,14 +1,18 @@
-"""`equinox_dsv4.quant`: the release's FP8 and FP4 formats.
+"""`equinox_dsv4.quant`: the forms a weight takes in memory: the release's FP8 and FP4 formats,
+and a frozen weight with a low-rank adapter beside it.
 
 Weights as the release stores them, kept quantised in memory (`QuantizedWeight`, dequantised
 one product's operand at a time; the one dequantisation of FP8/FP4 in the project), which
 weights of a model the release quantises (`quantize_model`, `abstract_quantized`, ...), and
 the activations' quantisation round trips the release computes with (`act_quant`,
-`kv_round_trip`, `index_round_trip`: `Config.numerics == "release"`).
+`kv_round_trip`, `index_round_trip`: `Config.numerics == "release"`). A `LoraWeight` is
+a weight of either kind (or dense) kept as loaded, with LoRA's two factors beside it
+(`equinox_dsv4.lora` adds and removes them).
 
 May import: nothing of the package.
 """
 
+from ._lora import LoraWeight as LoraWeight, base_dense as base_dense, base_of as base_of
 from ._numerics import (
     ACT_BLOCK as ACT_BLOCK,
     EXACT as EXACT,
@@ -45,6 +49,9 @@ from ._weight import (
 
 __all__ = [
     "QuantizedWeight",
+    "LoraWeight",
+    "base_dense",
+    "base_of",
     "quantize",
     "dense",
     "dequantize_host",

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from .._typecheck import typechecked
 from ..nn import Block, DeepseekV4, RouterStats, Stats
-from ..quant import QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight
 
 
 class Batch(eqx.Module):
@@ -68,20 +68,34 @@ def trainable(model: DeepseekV4, *, drafter_only: bool = False) -> PyTree[bool]:
     """The filter of the leaves the optimizer trains: every floating-point array except the
     routers' selection biases and the release's quantised weights (`QuantizedWeight` values
     and scales stay frozen: a model loaded with `quantized=True` fine-tunes its dense
-    leaves). A DSpark drafter's leaves are trained only with `drafter_only`, and then only
-    they (a frozen trunk): the main model's losses do not read them, and weight decay would
-    shrink them."""
+    leaves). A model with adapters (`equinox_dsv4.lora`) trains its adapters' factors and
+    nothing else. A DSpark drafter's leaves are trained only with `drafter_only`, and then
+    only they (a frozen trunk): the main model's losses do not read them, and weight decay
+    would shrink them."""
+    adapted = has_adapters(model)
 
     def visit(path, leaf):
-        if isinstance(leaf, QuantizedWeight):
-            return jax.tree.map(lambda _: False, leaf)
         key = jax.tree_util.keystr(path)
-        frozen = key.endswith(".ffn.gate.bias") or key.startswith(".dspark") != drafter_only
+        drafter = key.startswith(".dspark")
+        if isinstance(leaf, LoraWeight):
+            train = drafter == drafter_only
+            return LoraWeight(jax.tree.map(lambda _: False, leaf.base), train, train, leaf.scale)
+        if isinstance(leaf, QuantizedWeight) or adapted:
+            return jax.tree.map(lambda _: False, leaf)
+        frozen = key.endswith(".ffn.gate.bias") or drafter != drafter_only
         return eqx.is_inexact_array(leaf) and not frozen
 
-    return jax.tree_util.tree_map_with_path(
-        visit, model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
-    )
+    return jax.tree_util.tree_map_with_path(visit, model, is_leaf=_is_weight)
+
+
+def _is_weight(x) -> bool:
+    return isinstance(x, QuantizedWeight | LoraWeight)
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` holds adapters (`LoraWeight`), whose base, router biases included,
+    stays as loaded."""
+    return any(isinstance(x, LoraWeight) for x in jax.tree.leaves(model, is_leaf=_is_weight))
 
 
 @typechecked

@@ -1,6 +1,7 @@
 """The training step: the optimizer, the train state (fresh, or abstract for compiling ahead
 of time), and the jitted step with gradient accumulation and the router-bias update."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,15 @@ from ..execution import Policy, with_policy
 from ..nn import DeepseekV4
 from ..parallel import committed
 from ._dspark import DSparkObjective, dspark_step
-from ._losses import Batch, TrainState, _all_stats, loss_and_stats, trainable, update_router_bias
+from ._losses import (
+    Batch,
+    TrainState,
+    _all_stats,
+    has_adapters,
+    loss_and_stats,
+    trainable as default_trainable,
+    update_router_bias,
+)
 
 
 @typechecked
@@ -58,11 +67,18 @@ def make_optimizer(
 
 @typechecked
 def init_train_state(
-    model: DeepseekV4, optimizer: optax.GradientTransformation, *, drafter_only: bool = False
+    model: DeepseekV4,
+    optimizer: optax.GradientTransformation,
+    *,
+    drafter_only: bool = False,
+    trainable: Callable[[DeepseekV4], Any] | None = None,
 ) -> TrainState:
-    """A fresh `TrainState` at step 0 (the optimizer state sharded like the parameters);
-    `drafter_only`: for `make_train_step(dspark=...)` (the optimizer state of the drafter only)."""
-    params = eqx.filter(model, trainable(model, drafter_only=drafter_only))
+    """A fresh `TrainState` at step 0 (the optimizer state sharded like the parameters, and
+    only for the trained leaves); `drafter_only`: for `make_train_step(dspark=...)` (the
+    optimizer state of the drafter only); `trainable`: the filter of trained leaves, as given
+    to `make_train_step` (default `train.trainable`: a model with adapters trains only them)."""
+    choose = trainable or functools.partial(default_trainable, drafter_only=drafter_only)
+    params = eqx.filter(model, choose(model))
     with jax.numpy_dtype_promotion("standard"):
         opt_state = eqx.filter_jit(optimizer.init)(params)
     state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
@@ -81,7 +97,11 @@ def init_train_state(
 
 @typechecked
 def abstract_train_state(
-    model: DeepseekV4, optimizer: optax.GradientTransformation, *, drafter_only: bool = False
+    model: DeepseekV4,
+    optimizer: optax.GradientTransformation,
+    *,
+    drafter_only: bool = False,
+    trainable: Callable[[DeepseekV4], Any] | None = None,
 ) -> TrainState:
     """The `TrainState` that `init_train_state(model, optimizer, drafter_only=...)` would give, as
     `jax.ShapeDtypeStruct`s, for a `model` of `ShapeDtypeStruct`s (`eqx.filter_eval_shape`,
@@ -96,10 +116,12 @@ def abstract_train_state(
     def is_abstract(x: Any) -> bool:
         return isinstance(x, jax.ShapeDtypeStruct)
 
+    choose = trainable or functools.partial(default_trainable, drafter_only=drafter_only)
     state = eqx.filter_eval_shape(
-        lambda m: init_train_state(m, optimizer, drafter_only=drafter_only), model
+        lambda m: init_train_state(m, optimizer, drafter_only=drafter_only, trainable=choose),
+        model,
     )
-    spec = eqx.filter_eval_shape(lambda m: trainable(m, drafter_only=drafter_only), model)
+    spec = eqx.filter_eval_shape(choose, model)
     leaves = [x for x in jax.tree.leaves(model, is_leaf=is_abstract) if is_abstract(x)]
     meshes = {x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding)}
     if len(meshes) != 1 or len(leaves) != sum(x.sharding is not None for x in leaves):
@@ -142,6 +164,7 @@ def make_train_step(
     remat: str | None = "dots",
     micro_batches: int = 1,
     dspark: DSparkObjective | None = None,
+    trainable: Callable[[DeepseekV4], Any] | None = None,
     donate: bool = True,
 ) -> "TrainStep":
     """The jitted training step `step(state, batch) -> (state, metrics)`.
@@ -168,6 +191,10 @@ def make_train_step(
       The trunk runs forward only, so `mtp_weight`, `balance_weight`, `bias_update_rate` and
       `remat` do not apply; `micro_batches` must be 1. Its `metrics` hold `loss`, `ce`, `tv`,
       `confidence`, `accept` and `grad_norm`.
+    - `trainable`: `model -> PyTree[bool]`, the leaves to train (default `train.trainable`:
+      every float weight but the quantised ones; a model with adapters, `equinox_dsv4.lora`,
+      only its adapters, and then its router biases are not updated either: the base stays
+      as loaded). The state must come from `init_train_state` with the same filter.
     - `donate`: donate the incoming state's buffers (the caller must not reuse it).
 
     **Returns:** the step function. `metrics` holds `loss`, `lm`, `mtp`, `balance`, `tokens`,
@@ -183,9 +210,10 @@ def make_train_step(
             )
         return TrainStep(dspark_step(optimizer, dspark), donate)
 
+    choose = trainable or default_trainable
+
     def step(batch: Batch, state: TrainState, policy: Policy):
-        spec = trainable(state.model)
-        params, frozen = eqx.partition(state.model, spec)
+        params, frozen = eqx.partition(state.model, choose(state.model))
 
         def objective(params, batch, weights):
             # The policy set across the model inside the trace only: the state returned keeps
@@ -222,7 +250,7 @@ def make_train_step(
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
         model = eqx.combine(eqx.apply_updates(params, updates), frozen)
-        if bias_update_rate:
+        if bias_update_rate and not has_adapters(model):
             model = update_router_bias(model, aux["stats"], bias_update_rate, aux["mtp_stats"])
         zero = jnp.zeros((), jnp.float32)
         metrics = {

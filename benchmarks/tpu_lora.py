@@ -1,0 +1,112 @@
+"""Where LoRA / QLoRA fine-tuning fits: V4-Flash and V4-Pro train steps with rank-16 adapters
+over the release's FP8/FP4 weights (or bf16), compiled for the smallest TPU v5p slices here,
+without a TPU (libtpu's compiler, per-chip figures).
+
+Each row is one `make_train_step` step of a model with `ed.lora.add(model, rank=16)` (every
+default target: the attention projections, the shared and the routed experts of every layer;
+the base frozen, AdamW's moments of the adapters only; forward, backward of the activations
+and the adapters, optimizer update) on 4096-token sequences, on the recommended rules
+(README, "Memory on TPUs"), compiled with `python -m equinox_dsv4.compile --train --lora 16
+[--quantized] --topology ...`: the whole model, layers scanned as the library runs them;
+arguments and temporaries per chip, and whether the step fits the chip's 95 GiB.
+
+The MFU bound needs XLA's cost analysis of unrolled programs (`benchmarks/tpu_train.py`
+extrapolates from 5- and 7-layer ones); for rows marked in `RUNS` those are compiled too and
+the bound uses the step's useful FLOPs for LoRA, the forward and the activations' backward
+(`2 x forward_flops`: the frozen weights get no gradient). Estimates from the compiler on a
+CPU host; no TPU ran them.
+
+    python benchmarks/tpu_lora.py [--only flash-q-4 ...] [--work /tmp/tpu-lora]
+
+Writes benchmarks/results/tpu_lora.{json,md}.
+"""
+
+import argparse
+import math
+import pathlib
+import re
+
+from common import markdown, write
+from tpu_memory import RULES, compiled
+from tpu_train import COST_LAYERS, extrapolated
+
+import equinox_dsv4 as ed
+from equinox_dsv4.compile import TPU_PEAKS
+
+
+SEQ_LEN = 4096
+RANK = 16
+HBM = 95 * 2**30  # a v5p chip
+# name -> (model, quantised, topology, mesh, global batch, with the cost compiles)
+RUNS = {
+    "flash-q-4": ("v4-flash", True, "v5p:2x2x1", "fsdp=1,expert=4", 1, False),
+    "flash-q-4-fsdp": ("v4-flash", True, "v5p:2x2x1", "fsdp=4,expert=1", 4, False),
+    "flash-b-8": ("v4-flash", False, "v5p:2x2x2", "fsdp=1,expert=8", 1, False),
+    "pro-q-16": ("v4-pro", True, "v5p:2x2x4", "fsdp=2,expert=8", 2, False),
+}
+
+
+def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[str]:
+    model, quantized, topology, mesh, batch, _ = RUNS[name]
+    args = ["--model", model, "--topology", topology, "--mesh", mesh, "--train"]
+    args += ["--lora", str(RANK), "--batch", str(batch), "--seq-len", str(SEQ_LEN)]
+    args += ["--json", str(out)] + (["--quantized"] if quantized else [])
+    args += [a for rule in RULES for a in ("--rule", rule)]  # the recommended rules
+    return args + (["--layers", str(layers), "--unrolled"] if layers else [])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument("--work", default="/tmp/tpu-lora", help="per-run JSON files (reused)")
+    args = parser.parse_args()
+    work = pathlib.Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    peak, hbm = TPU_PEAKS["v5p"]
+    gib = 2**30
+    rows, table = [], []
+    for name in args.only or RUNS:
+        model, quantized, topology, mesh, batch, with_cost = RUNS[name]
+        memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
+        costs = [
+            compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
+            for n in (COST_LAYERS if with_cost else ())
+        ]
+        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
+        chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+        weights = "FP8/FP4" if quantized else "bf16"
+        cells = [model, weights, f"{chips} ({topology})", mesh, batch * SEQ_LEN]
+        row = {"name": name, "memory": memory, "costs": costs}
+        if "error" in memory:
+            why = re.search(r"exceeds available HBM \(([\d.]+G)\)", memory["error"])
+            cells += ["-", "-", f"no ({why[0] if why else memory['error']})"]
+        else:
+            train = memory["phases"]["train"]
+            arg, temp = train["argument_bytes"], train["temp_bytes"]
+            total = train["needed_bytes"]
+            cells += [f"{arg / gib:.1f} GiB", f"{temp / gib:.1f} GiB"]
+            cells.append(f"{'yes' if total <= HBM else 'no'}: {total / gib:.1f} GiB")
+        if not costs:
+            cells.append("not estimated (its cost compiles not run)")
+        elif any("error" in c for c in costs):
+            cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
+        else:
+            cost = extrapolated(*costs, config.num_hidden_layers)
+            useful = 2 * ed.train.forward_flops(config, SEQ_LEN, logits="all") * batch / chips
+            seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
+            row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
+            row |= {"estimate_seconds": seconds, "mfu_estimate": useful / seconds / peak}
+            cells.append(f"<= {useful / seconds / peak:.0%} ({seconds:.2f} s)")
+        rows.append(row)
+        table.append(cells)
+        print(cells, flush=True)
+    header = ["model", "base", "chips (topology)", "mesh", "tokens / step"]
+    header += ["arguments / chip", "temporaries / chip", "fits 95 GiB"]
+    header += ["MFU estimate (step time), v5p peak"]
+    extra = {"rank": RANK, "seq_len": SEQ_LEN, "peak_flops": peak, "hbm_bytes_per_s": hbm}
+    write("tpu_lora", rows, markdown(header, table), extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Adding low-rank adapters to a model's weights and folding them back in.
+
+An adapter stands beside one weight (`LoraWeight`): the weight stays exactly as loaded (float32,
+bf16, or the release's FP8/FP4 `QuantizedWeight`) and the product becomes
+`W x + (alpha / rank) B A x`. Targets are named by the weight they adapt, as the release names
+it inside a block: the attention's projections, the shared expert's and the routed experts'
+(one `A`/`B` pair per expert, stacked along the experts axis like the weights).
+"""
+
+import re
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.typing import DTypeLike
+from jaxtyping import PRNGKeyArray
+
+from .._typecheck import typechecked
+from ..quant import LoraWeight, QuantizedWeight
+
+
+M = TypeVar("M", bound=eqx.Module)
+
+# Target name -> the path of its weight inside a block (a layer, an MTP block, a DSpark stage).
+TARGETS: dict[str, str] = {
+    "wq_a": r"\.attn\.wq_a\.weight",
+    "wq_b": r"\.attn\.wq_b\.weight",
+    "wkv": r"\.attn\.wkv\.weight",
+    "wo_a": r"\.attn\.wo_a\.weight",
+    "wo_b": r"\.attn\.wo_b\.weight",
+    "shared_experts.w1": r"\.ffn\.shared_experts\.w1\.weight",
+    "shared_experts.w2": r"\.ffn\.shared_experts\.w2\.weight",
+    "shared_experts.w3": r"\.ffn\.shared_experts\.w3\.weight",
+    "experts.w1": r"\.ffn\.experts\.w1",
+    "experts.w2": r"\.ffn\.experts\.w2",
+    "experts.w3": r"\.ffn\.experts\.w3",
+}
+# The compressor, indexer, router, norms and mHC are never targets by default (nor can be).
+DEFAULT_TARGETS: tuple[str, ...] = tuple(TARGETS)
+# Where the drafting blocks live: an MTP block, a DSpark drafter's stages.
+_DRAFT = re.compile(r"\.(mtp\[\d+\]|dspark)\.")
+
+
+def _is_weight(x: Any) -> bool:
+    return isinstance(x, QuantizedWeight | LoraWeight)
+
+
+@typechecked
+def target_of(path: str) -> str | None:
+    """The target name of the weight at pytree path `path` (`jax.tree_util.keystr`), or
+    `None` when no adapter can stand beside it."""
+    for name, pattern in TARGETS.items():
+        if re.search(pattern + "$", path):
+            return name
+    return None
+
+
+@typechecked
+def add(
+    model: M,
+    *,
+    rank: int,
+    alpha: float | None = None,
+    targets: Sequence[str] | None = None,
+    drafters: bool = True,
+    dtype: DTypeLike | None = None,
+    key: PRNGKeyArray,
+) -> M:
+    """`model` with a low-rank adapter beside each targeted weight.
+
+    **Arguments:**
+
+    - `model`: a `DeepseekV4` (or any module of one); its weights are kept as they are.
+    - `rank`: the adapters' rank `r`.
+    - `alpha`: the scale's numerator, `scale = alpha / rank` (default: `rank`, a scale of 1).
+    - `targets`: names from `TARGETS` (default `DEFAULT_TARGETS`: every attention projection,
+      the shared and the routed experts); an unknown name is an error.
+    - `drafters`: also adapt the MTP blocks and the DSpark drafter's stages.
+    - `dtype`: the adapters' dtype (default: each weight's own).
+    - `key`: PRNG key for `A` (`N(0, 1/r^2)`, PEFT's Gaussian initialisation); `B` starts at
+      zero, so the model computes what it did.
+
+    **Returns:** the model with `LoraWeight`s in place of the targeted weights.
+    """
+    if rank < 1:
+        raise ValueError(f"lora.add: rank must be >= 1, got {rank}")
+    chosen = DEFAULT_TARGETS if targets is None else tuple(targets)
+    unknown = [t for t in chosen if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"lora.add: unknown target(s) {unknown}; targets are {list(TARGETS)}")
+    if has_adapters(model):
+        raise ValueError("lora.add: the model already has adapters (lora.merge them first)")
+    scale = float(rank if alpha is None else alpha) / rank
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_weight)[0]
+    picked = {
+        jax.tree_util.keystr(p)
+        for p, _ in leaves
+        if target_of(jax.tree_util.keystr(p)) in chosen
+        and (drafters or not _DRAFT.search(jax.tree_util.keystr(p)))
+    }
+    if not picked:
+        raise ValueError(f"lora.add: no weight of the model matches the targets {list(chosen)}")
+    keys = iter(jr.split(key, len(picked)))
+
+    def adapt(path, leaf):
+        if jax.tree_util.keystr(path) not in picked:
+            return leaf
+        *lead, out, inner = leaf.shape
+        d = leaf.dtype if dtype is None else jnp.dtype(dtype)
+        a = (jr.normal(next(keys), (*lead, rank, inner), jnp.float32) / rank).astype(d)
+        b = jnp.zeros((*lead, out, rank), d)
+        return LoraWeight(leaf, a, b, scale)
+
+    return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_is_weight)
+
+
+@typechecked
+def merge(model: M) -> M:
+    """`model` with every adapter folded into its weight: `W + scale * B A` as one dense array
+    in the adapter's dtype (a quantised base dequantised first), a plain model again."""
+    return jax.tree.map(
+        lambda w: w.merged() if isinstance(w, LoraWeight) else w,
+        model,
+        is_leaf=_is_weight,
+    )
+
+
+@typechecked
+def base(model: M) -> M:
+    """`model` without its adapters: each `LoraWeight` replaced by its base, as loaded."""
+    return jax.tree.map(
+        lambda w: w.base if isinstance(w, LoraWeight) else w, model, is_leaf=_is_weight
+    )
+
+
+@typechecked
+def has_adapters(model: Any) -> bool:
+    """Whether any weight of `model` has an adapter (`LoraWeight`)."""
+    return any(isinstance(x, LoraWeight) for x in jax.tree.leaves(model, is_leaf=_is_weight))
