@@ -1125,6 +1125,17 @@ SECTIONS: dict[str, Section] = {
         _tpu_roofline,
         _TPU + "; step times are XLA's cost analysis at the published peak",
     ),
+    "lora_fit": Section(
+        "LoRA / QLoRA train steps",
+        "lora_fit.py",
+        "Train steps of rank-16 adapters over the FP8/FP4 (QLoRA) weights, compiled for the "
+        "smallest v5p slices and for 8-GPU nodes: memory per chip and whether the step fits a "
+        "chip (the table lora_fit.py renders).",
+        lambda data: data["table"],
+        "**Estimates, not measurements**: XLA's TPU compiler (libtpu) and GPU compiler (the CUDA "
+        "plugin) compiled these on a CPU host and no TPU or GPU ran them; memory is the "
+        "compiler's per-chip analysis",
+    ),
     "tpu_train": Section(
         "TPU train steps",
         "tpu_train.py",

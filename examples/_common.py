@@ -46,6 +46,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep the release's FP8/FP4 weights quantised (--hf: as stored; the default model: "
+        "quantised as the release stores it); with examples/train.py --lora, QLoRA",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the default model's weights and of sampling"
     )
 
@@ -141,7 +147,10 @@ def load_model(
         import convert
 
         load_mtp = None if mtp is None else bool(mtp)
-        return convert.load_hf(args.hf, dtype=dtype, load_mtp=load_mtp, mesh=mesh), args.hf
+        model = convert.load_hf(
+            args.hf, dtype=dtype, load_mtp=load_mtp, mesh=mesh, quantized=args.quantized
+        )
+        return model, args.hf
     if mtp == "dspark":  # the embedded default with a drafter shaped as 0731's, on its last layers
         config = ed.Config.tiny(**TINY_DSPARK)
     else:
@@ -151,6 +160,8 @@ def load_model(
     if layers is not None:
         config = config.first_layers(layers)
     model = ed.DeepseekV4(config, key=jax.random.key(args.seed), dtype=dtype)
+    if args.quantized:
+        model = ed.quant.quantize_model(model)
     if mesh is not None:  # every process built the same weights from the same seed
         model = ed.shard(model, mesh)
     return model, f"the embedded tiny default with RANDOM weights (seed {args.seed})"

@@ -198,9 +198,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.lora is not None:
         model_dir = out / "adapter"
-        if ed.parallel.is_primary():
-            ed.lora.save(state.model, model_dir)
-        ed.parallel.barrier("examples-train-adapter-saved")
+        ed.lora.save(state.model, model_dir)  # every process: the adapters are gathered
     else:
         model_dir = out / "model"
         if ed.parallel.is_primary():

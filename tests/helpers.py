@@ -37,6 +37,28 @@ def assert_close(actual, expected, tol: dict = COMPONENT, err_msg: str = "") -> 
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), err_msg=err_msg, **tol)
 
 
+def random_adapters(model, seed: int, scale: float = 0.3):
+    """`model` with every LoRA adapter's `A` and `B` random (a fresh `B` is zero, which would
+    leave nothing to compare)."""
+    import jax
+    import jax.numpy as jnp
+
+    import equinox_dsv4 as ed
+
+    rng = np.random.default_rng(seed)
+
+    def fill(w):
+        if not isinstance(w, ed.lora.LoraWeight):
+            return w
+        a = rng.standard_normal(w.a.shape) / np.sqrt(w.a.shape[-1])
+        b = scale * rng.standard_normal(w.b.shape) / np.sqrt(w.b.shape[-1])
+        return ed.lora.LoraWeight(
+            w.base, jnp.asarray(a, w.a.dtype), jnp.asarray(b, w.b.dtype), w.scale
+        )
+
+    return jax.tree.map(fill, model, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
+
+
 def run_python(
     *args,
     cwd: pathlib.Path = ROOT,

@@ -134,6 +134,17 @@ for step in spec["steps"]:
         )
         report["state_restored_equal"] = all(jax.tree.leaves(same)) and position == 7
         ed.save(out / "trained", new.model)
+    elif step == "lora":
+        # A one-process adapter onto the two-process model, one SGD step of it, saved by both.
+        adapted = ed.lora.load(model, spec["adapter"])
+        arrays["lora_logits"] = gathered(logits(adapted, ids))
+        opt = optax.sgd(0.5)
+        train_step = ed.make_train_step(opt, donate=False, remat=None)
+        batch = ed.Batch.from_tokens(np.asarray(spec["train_tokens"], np.int32))
+        with jax.set_mesh(mesh):
+            new, metrics = train_step(ed.init_train_state(adapted, opt), batch)
+        report["lora_train"] = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+        ed.lora.save(new.model, out / "adapter_trained")
     elif step == "load_saved":
         saved = ed.load(spec["saved"], mesh=mesh)
         arrays["saved_logits"] = gathered(logits(saved, ids))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import LOGITS, assert_close, run_python, succeeded
+from helpers import LOGITS, assert_close, random_adapters, run_python, succeeded
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -25,20 +25,6 @@ L = LoraWeight
 
 def _is_lora(x):
     return isinstance(x, L)
-
-
-def random_adapters(model, seed: int, scale: float = 0.3):
-    """`model` with every adapter's `A` and `B` random (a fresh `B` is zero: nothing to test)."""
-    rng = np.random.default_rng(seed)
-
-    def fill(w):
-        if not isinstance(w, L):
-            return w
-        a = rng.standard_normal(w.a.shape) / np.sqrt(w.a.shape[-1])
-        b = scale * rng.standard_normal(w.b.shape) / np.sqrt(w.b.shape[-1])
-        return L(w.base, jnp.asarray(a, w.a.dtype), jnp.asarray(b, w.b.dtype), w.scale)
-
-    return jax.tree.map(fill, model, is_leaf=_is_lora)
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +221,8 @@ def test_no_cotangent_of_frozen_expert_stacks():
 
 
 def test_training_changes_only_the_adapters():
-    # On the embedded default (two of its layers): a float32 base and the release's FP8/FP4.
-    config = ed.Config.tiny().first_layers(2)
+    # On the embedded default (its first layer and MTP block): a float32 base and the FP8/FP4 one.
+    config = ed.Config.tiny().first_layers(1)
     model = ed.DeepseekV4(config, key=jax.random.key(0))
     rng = np.random.default_rng(4)
     batch = ed.Batch.from_tokens(rng.integers(0, config.vocab_size, (2, 17)).astype(np.int32))
@@ -384,6 +370,9 @@ def test_clear_errors(small, tmp_path):
         ed.lora.add(adapted, rank=2, key=jax.random.key(0))
     with pytest.raises(ValueError, match="no adapters"):
         ed.lora.save(model, tmp_path / "none")
+    with pytest.raises(ValueError, match="ed.lora.save"):  # a whole-model save would mix them in
+        ed.save(tmp_path / "model", adapted)
+    assert not (tmp_path / "model").exists()
     ed.lora.save(adapted, tmp_path / "dora")
     path = tmp_path / "dora" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "use_dora": True}))
@@ -440,10 +429,10 @@ def _factors_mask(tree):
 
 
 def test_example_lora_train_then_generate(tmp_path):
-    # examples/train.py --lora on the embedded default saves the adapter alone, which
-    # examples/generate.py --lora runs with.
+    # examples/train.py --lora on the embedded default (QLoRA: its weights quantised as the
+    # release stores them) saves the adapter alone, which examples/generate.py --lora runs with.
     run = tmp_path / "run"
-    cmd = ["examples/train.py", "--lora", "4", "--lora-alpha", "8", "--steps", "2"]
+    cmd = ["examples/train.py", "--lora", "4", "--lora-alpha", "8", "--steps", "2", "--quantized"]
     cmd += ["--seq-len", "32", "--batch", "2", "--layers", "1", "--remat", "none"]
     trained = succeeded(run_python(*cmd, "--out", run))
     assert "LoRA: rank 4" in trained.stderr and f"adapter in {run / 'adapter'}" in trained.stderr
@@ -452,7 +441,7 @@ def test_example_lora_train_then_generate(tmp_path):
         "adapter_model.safetensors",
     ]
     assert not (run / "model").exists()
-    cmd = ["examples/generate.py", "--layers", "1", "--lora", run / "adapter"]
+    cmd = ["examples/generate.py", "--layers", "1", "--quantized", "--lora", run / "adapter"]
     generated = succeeded(run_python(*cmd, "--max-new-tokens", "4"))
     assert f"adapter: {run / 'adapter'}" in generated.stderr
     refused = run_python("examples/train.py", "--lora-alpha", "8", "--steps", "1")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import COMPONENT, LOGITS
+from helpers import COMPONENT, LOGITS, random_adapters
 from hf_reference import C, H, S, reference_model, tiny_config
 from multihost import free_port, launch, start
 from release_layout import write_release_checkpoint
@@ -68,10 +68,13 @@ def run(tmp_path_factory):
     write_release_checkpoint(root / "dspark", DSPARK, reference, shards=3)
     single = convert.load_hf(root / "release", numerics="exact", load_mtp=False)
     ed.save(root / "saved", single)
+    adapter = ed.lora.add(single, rank=2, alpha=4.0, key=jax.random.key(3))
+    ed.lora.save(random_adapters(adapter, seed=4), root / "adapter")
     spec = {
         "release": str(root / "release"),
         "saved": str(root / "saved"),
         "dspark_release": str(root / "dspark"),
+        "adapter": str(root / "adapter"),
         "mesh": MESH,
         "interleave": True,
         "ids": IDS,
@@ -85,6 +88,7 @@ def run(tmp_path_factory):
             "generate",
             "load_saved",
             "train",
+            "lora",
             "convert",
             "generate_script",
         ],
@@ -166,6 +170,31 @@ def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
         root / "out" / "state", ed.init_train_state(single, opt)
     )
     assert position == 7 and int(restored.step) == 1
+
+
+def test_lora_in_two_processes(run):
+    # An adapter on the model split over two processes: its logits, one SGD step of the
+    # adapters alone, and the adapter both processes saved, against one process.
+    root, single, reports, arrays = run
+    adapted = ed.lora.load(single, root / "adapter")
+    want = eqx.filter_jit(lambda m, x: m(x))(adapted, jnp.asarray(IDS, jnp.int32))
+    np.testing.assert_allclose(arrays["lora_logits"], want, **COMPONENT)
+    opt = optax.sgd(0.5)
+    step = ed.make_train_step(opt, donate=False, remat=None)
+    batch = ed.Batch.from_tokens(np.asarray(TRAIN_TOKENS, np.int32))
+    new, metrics = step(ed.init_train_state(adapted, opt), batch)
+    for r in reports:
+        np.testing.assert_allclose(r["lora_train"]["loss"], metrics["loss"], rtol=1e-6)
+        np.testing.assert_allclose(r["lora_train"]["grad_norm"], metrics["grad_norm"], rtol=1e-5)
+    saved = ed.lora.load(single, root / "out" / "adapter_trained")
+
+    def adapted_weights(m):
+        leaves = jax.tree.leaves(m, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
+        return [w for w in leaves if isinstance(w, ed.lora.LoraWeight)]
+
+    pairs = zip(adapted_weights(new.model), adapted_weights(saved), strict=True)
+    for one, two in pairs:
+        np.testing.assert_allclose(two.merged(), one.merged(), **COMPONENT)
 
 
 def test_convert_in_two_processes(run):

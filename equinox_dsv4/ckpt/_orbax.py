@@ -25,7 +25,7 @@ from .._typecheck import typechecked
 from ..config import Config
 from ..nn import DeepseekV4
 from ..parallel import ShardingRules, barrier, is_primary, named_shardings, shared_token
-from ..quant import FP8, QuantizedWeight, abstract_quantized
+from ..quant import FP8, LoraWeight, QuantizedWeight, abstract_quantized
 from ._names import Slot, assign, canonical_pieces
 
 
@@ -176,7 +176,14 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
 
     With several processes (a model on a mesh that spans them), every process calls `save`
     with the same path on a shared file system; each writes the shards it holds, process 0
-    the metadata and manifest."""
+    the metadata and manifest. A model with LoRA adapters is refused: save the adapters alone
+    (`ed.lora.save`) or fold them in first (`ed.lora.merge`)."""
+    weights = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoraWeight))
+    if any(isinstance(w, LoraWeight) for w in weights):
+        raise ValueError(
+            "ed.save: the model has LoRA adapters; save them alone with ed.lora.save(model, "
+            "path), or fold them in with ed.lora.merge(model) first"
+        )
     final = pathlib.Path(path).absolute()
     tmp = temporary_sibling(final)
     try:

@@ -5,7 +5,7 @@ loaded, quantised or not, and the two factors); a model with adapters trains onl
 default (`train.trainable`); `merge` folds them in, `base` drops them; `save` and `load` write
 and read the adapters alone in PEFT's layout under transformers' module names.
 
-May import: config, quant, execution, nn, ckpt.
+May import: config, quant, execution, nn, parallel, ckpt.
 """
 
 from ..quant import LoraWeight as LoraWeight

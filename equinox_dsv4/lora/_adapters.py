@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray
 
@@ -83,6 +84,9 @@ def add(
     - `key`: PRNG key for `A` (`N(0, 1/r^2)`, PEFT's Gaussian initialisation); `B` starts at
       zero, so the model computes what it did.
 
+    The factors of a weight placed on a mesh are created there (`factor_shardings`), with
+    several processes too.
+
     **Returns:** the model with `LoraWeight`s in place of the targeted weights.
     """
     if rank < 1:
@@ -110,11 +114,38 @@ def add(
             return leaf
         *lead, out, inner = leaf.shape
         d = leaf.dtype if dtype is None else jnp.dtype(dtype)
-        a = (jr.normal(next(keys), (*lead, rank, inner), jnp.float32) / rank).astype(d)
-        b = jnp.zeros((*lead, out, rank), d)
+
+        def factors(k):
+            a = (jr.normal(k, (*lead, rank, inner), jnp.float32) / rank).astype(d)
+            return a, jnp.zeros((*lead, out, rank), d)
+
+        placed = factor_shardings(leaf)
+        a, b = (
+            factors(next(keys))
+            if placed is None
+            else jax.jit(factors, out_shardings=placed)(next(keys))
+        )
         return LoraWeight(leaf, a, b, scale)
 
     return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_is_weight)
+
+
+def factor_shardings(weight: Any) -> tuple[NamedSharding, NamedSharding] | None:
+    """Where the factors go beside a weight placed on a mesh: `A` split like the weight's input
+    dim, `B` like its output dim (as `parallel.partition_specs` places them); `None` for a
+    weight that is not (a single device, an abstract or traced one)."""
+    array = weight.values if isinstance(weight, QuantizedWeight) else weight
+    if isinstance(array, jax.core.Tracer) or not isinstance(array, jax.Array):
+        return None
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    *lead, out, inner = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+    mesh = sharding.mesh
+    return (
+        NamedSharding(mesh, PartitionSpec(*lead, None, inner)),
+        NamedSharding(mesh, PartitionSpec(*lead, out, None)),
+    )
 
 
 @typechecked

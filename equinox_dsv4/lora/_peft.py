@@ -41,8 +41,9 @@ from safetensors.numpy import load_file, save_file
 
 from .._typecheck import typechecked
 from ..ckpt import canonical_pieces, canonical_to_path
+from ..parallel import barrier, is_primary
 from ..quant import LoraWeight
-from ._adapters import _is_weight, base, has_adapters
+from ._adapters import _is_weight, base, factor_shardings, has_adapters
 
 
 M = TypeVar("M", bound=eqx.Module)
@@ -84,7 +85,12 @@ def _adapter_factors(model: Any) -> dict[str, tuple[np.ndarray, np.ndarray, floa
         for p, w in jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_weight)[0]
         if isinstance(w, LoraWeight)
     }
-    pieces = dict(canonical_pieces(eqx.filter(model, mask)))
+    adapters = eqx.filter(model, mask)
+    if jax.process_count() > 1:  # every process's shards, on every process (a collective)
+        from jax.experimental import multihost_utils
+
+        adapters = multihost_utils.process_allgather(adapters, tiled=True)
+    pieces = dict(canonical_pieces(adapters))
     plan, stages = model.plan, _stages(model)
     out = {}
     for name, a in pieces.items():
@@ -136,7 +142,8 @@ def save(model: eqx.Module, path: str | os.PathLike, *, peft_only: bool = False)
     """Writes `model`'s adapters alone to directory `path` (replaced if it exists), in PEFT's
     layout (see the module's docstring). `peft_only`: refuse, naming them, adapters that PEFT
     cannot express instead of writing them beside the PEFT files. Written to a temporary
-    sibling and renamed into place: `path` is never half-written."""
+    sibling and renamed into place: `path` is never half-written. With several processes
+    every one calls it (the adapters are gathered); process 0 writes."""
     if not has_adapters(model):
         raise ValueError("lora.save: the model has no adapters (lora.add or lora.load first)")
     factors = _adapter_factors(model)
@@ -217,6 +224,9 @@ def save(model: eqx.Module, path: str | os.PathLike, *, peft_only: bool = False)
         "alpha_pattern": {k: v for k, v in alphas.items()},
     }
     path = pathlib.Path(path)
+    if not is_primary():
+        barrier(f"equinox_dsv4-lora-saved-{path}")
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -232,6 +242,7 @@ def save(model: eqx.Module, path: str | os.PathLike, *, peft_only: bool = False)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    barrier(f"equinox_dsv4-lora-saved-{path}")
 
 
 def _packed(parts: dict[str, tuple]) -> tuple[np.ndarray, np.ndarray]:
@@ -266,6 +277,7 @@ def load(model: M, path: str | os.PathLike, *, dtype: Any = None) -> M:
     `dtype`). Weights of a stack that the file adapts in some layers only get zero factors in
     the others; factors of different ranks in one stack are padded with zeros to the largest
     (exact). Adapters of MTP or DSpark blocks that `model` was loaded without are left out.
+    The factors of a weight placed on a mesh are placed beside it (`factor_shardings`).
     Refuses, naming them, LoRA variants it does not compute (DoRA, biases, other PEFT types)
     and tensors that name no weight of `model`."""
     path = pathlib.Path(path)
@@ -378,7 +390,16 @@ def _with_factors(model: M, factors: dict, dtype: Any, source: str) -> M:
             a_full[index][..., :r, :] = a
             b_full[index][..., :, :r] = b * (s / scale)  # one scale per stack: the rest in B
         d = leaf.dtype if dtype is None else jnp.dtype(dtype)
-        return LoraWeight(leaf, jnp.asarray(a_full, d), jnp.asarray(b_full, d), scale)
+        a_full, b_full = a_full.astype(d), b_full.astype(d)
+        placed = factor_shardings(leaf)
+        if placed is None:
+            return LoraWeight(leaf, jnp.asarray(a_full), jnp.asarray(b_full), scale)
+        # Each device takes its slice of the host copy (every process holds the same file).
+        a, b = (
+            jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])
+            for x, sharding in zip((a_full, b_full), placed, strict=True)
+        )
+        return LoraWeight(leaf, a, b, scale)
 
     out = jax.tree_util.tree_map_with_path(place, model, is_leaf=_is_weight)
     # A model loaded without its drafting blocks (generation without drafts) runs without

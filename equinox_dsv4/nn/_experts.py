@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import Config
 from ..execution import Policy, policy_field, routed_experts
-from ..quant import QuantizedWeight, act_quant
+from ..quant import LoraWeight, QuantizedWeight, act_quant
 from ._layers import init_normal
 
 
@@ -17,9 +17,9 @@ class Experts(eqx.Module):
     """The routed experts, stacked: `w1`, `w3` `[experts, inter, d_model]`, `w2`
     `[experts, d_model, inter]`. Expert `e` maps `x` to `w2[e] (swiglu(w1[e] x, w3[e] x))`."""
 
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight
+    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight
+    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight
+    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight
     limit: float = eqx.field(static=True)
     numerics: str = eqx.field(static=True)
     policy: Policy | None = policy_field()

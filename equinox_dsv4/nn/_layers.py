@@ -14,7 +14,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..execution import Policy, linear, policy_field
-from ..quant import QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight
 
 
 # Std of the normal initialiser (transformers' `initializer_range`). Real weights come from a
@@ -59,10 +59,11 @@ def einsum_f32(spec: str, a: Array, b: Array) -> Array:
 
 class Linear(eqx.Module):
     """`y = x @ weight.T` without bias; `weight` is stored `(out, in)` as in the checkpoints,
-    dense or as the release's block-quantised `QuantizedWeight`. The product takes the form
+    dense, as the release's block-quantised `QuantizedWeight`, or either with a LoRA adapter
+    beside it (`LoraWeight`). The product takes the form
     its execution `policy` says (see `execution.with_policy`)."""
 
-    weight: Float[Array, "out in"] | QuantizedWeight
+    weight: Float[Array, "out in"] | QuantizedWeight | LoraWeight
     axes: tuple[str | None, str | None] = eqx.field(static=True)
     policy: Policy | None = policy_field()
 
