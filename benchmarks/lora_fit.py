@@ -27,6 +27,7 @@ Writes benchmarks/results/lora_fit.{json,md}.
 import argparse
 import math
 import pathlib
+import re
 
 from common import markdown, write
 from tpu_memory import RULES, compiled
@@ -42,9 +43,9 @@ RANK = 16
 V5P_HBM = 95 * 2**30
 # name -> (model, quantised, topology, mesh, global batch, with the cost compiles)
 RUNS = {
-    "flash-q-4": ("v4-flash", True, "v5p:2x2x1", "fsdp=1,expert=4", 1, False),
+    "flash-q-4": ("v4-flash", True, "v5p:2x2x1", "fsdp=1,expert=4", 1, True),
     "flash-q-4-fsdp": ("v4-flash", True, "v5p:2x2x1", "fsdp=4,expert=1", 4, False),
-    "pro-q-16": ("v4-pro", True, "v5p:2x2x4", "fsdp=1,expert=16", 1, False),
+    "pro-q-16": ("v4-pro", True, "v5p:2x2x4", "fsdp=1,expert=16", 1, True),
     "pro-q-16-fsdp": ("v4-pro", True, "v5p:2x2x4", "fsdp=2,expert=8", 2, False),
     "flash-q-h200": ("v4-flash", True, "h200:8", "fsdp=1,expert=8", 1, False),
     "pro-q-b200": ("v4-pro", True, "b200:8", "fsdp=1,expert=8", 1, False),
@@ -83,7 +84,12 @@ def main() -> int:
         cells = [model, weights, f"{chips} ({topology})", mesh, batch * SEQ_LEN]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
-            cells += ["-", "-", f"no ({memory['error']})"]
+            why = re.search(
+                r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)",
+                memory["error"],
+            )
+            why = f"{why[1]}B of temporaries > {why[2]}B" if why else memory["error"]
+            cells += ["-", "-", f"no: {why}"]
         else:
             train = memory["phases"]["train"]
             arg, temp = train["argument_bytes"], train["temp_bytes"]
@@ -92,7 +98,11 @@ def main() -> int:
             cells += [f"{arg / gib:.1f} GiB", f"{temp / gib:.1f} GiB"]
             fits = "yes" if total <= hbm_bytes else "no"
             cells.append(f"{fits}: {total / gib:.1f} of {hbm_bytes / gib:.0f} GiB")
-        if not costs:
+        if "error" in memory:
+            cells.append("-")
+        elif not topology.startswith("v5p"):
+            cells.append("n/a (XLA's GPU compiler counts no FLOPs)")
+        elif not costs:
             cells.append("not estimated (its cost compiles not run)")
         elif any("error" in c for c in costs):
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))

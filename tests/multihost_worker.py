@@ -135,9 +135,9 @@ for step in spec["steps"]:
         report["state_restored_equal"] = all(jax.tree.leaves(same)) and position == 7
         ed.save(out / "trained", new.model)
     elif step == "lora":
-        # A one-process adapter onto the two-process model, one SGD step of it, saved by both.
+        # A one-process adapter onto the two-process model, one SGD step of it (its loss is
+        # the adapted forward's), saved by both.
         adapted = ed.lora.load(model, spec["adapter"])
-        arrays["lora_logits"] = gathered(logits(adapted, ids))
         opt = optax.sgd(0.5)
         train_step = ed.make_train_step(opt, donate=False, remat=None)
         batch = ed.Batch.from_tokens(np.asarray(spec["train_tokens"], np.int32))

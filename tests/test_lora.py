@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import LOGITS, assert_close, random_adapters, run_python, succeeded
+from helpers import COMPONENT, LOGITS, assert_close, random_adapters, run_python
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -64,7 +64,7 @@ def test_adapted_model_equals_merged(small):
     assert not ed.lora.has_adapters(merged)
     got, want = _logits(adapted, IDS), _logits(merged, IDS)
     assert float(jnp.max(jnp.abs(got - _logits(model, IDS)))) > 0.1  # the adapters matter
-    assert_close(got, want, LOGITS)
+    assert_close(got, want, COMPONENT)
 
 
 def _adapted_weights(model):
@@ -428,21 +428,7 @@ def _factors_mask(tree):
     )
 
 
-def test_example_lora_train_then_generate(tmp_path):
-    # examples/train.py --lora on the embedded default (QLoRA: its weights quantised as the
-    # release stores them) saves the adapter alone, which examples/generate.py --lora runs with.
-    run = tmp_path / "run"
-    cmd = ["examples/train.py", "--lora", "4", "--lora-alpha", "8", "--steps", "2", "--quantized"]
-    cmd += ["--seq-len", "32", "--batch", "2", "--layers", "1", "--remat", "none"]
-    trained = succeeded(run_python(*cmd, "--out", run))
-    assert "LoRA: rank 4" in trained.stderr and f"adapter in {run / 'adapter'}" in trained.stderr
-    assert sorted(p.name for p in (run / "adapter").iterdir())[:2] == [
-        "adapter_config.json",
-        "adapter_model.safetensors",
-    ]
-    assert not (run / "model").exists()
-    cmd = ["examples/generate.py", "--layers", "1", "--quantized", "--lora", run / "adapter"]
-    generated = succeeded(run_python(*cmd, "--max-new-tokens", "4"))
-    assert f"adapter: {run / 'adapter'}" in generated.stderr
+def test_example_lora_options_are_checked():
+    # The script trains with adapters in tests/test_train.py::test_example_train_script.
     refused = run_python("examples/train.py", "--lora-alpha", "8", "--steps", "1")
     assert refused.returncode != 0 and "need --lora RANK" in refused.stderr

@@ -173,12 +173,11 @@ def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
 
 
 def test_lora_in_two_processes(run):
-    # An adapter on the model split over two processes: its logits, one SGD step of the
-    # adapters alone, and the adapter both processes saved, against one process.
-    root, single, reports, arrays = run
+    # An adapter on the model split over two processes: one SGD step of the adapters alone
+    # (its loss, the adapted forward's, and gradient norm) and the adapter both processes
+    # saved, against one process.
+    root, single, reports, _ = run
     adapted = ed.lora.load(single, root / "adapter")
-    want = eqx.filter_jit(lambda m, x: m(x))(adapted, jnp.asarray(IDS, jnp.int32))
-    np.testing.assert_allclose(arrays["lora_logits"], want, **COMPONENT)
     opt = optax.sgd(0.5)
     step = ed.make_train_step(opt, donate=False, remat=None)
     batch = ed.Batch.from_tokens(np.asarray(TRAIN_TOKENS, np.int32))

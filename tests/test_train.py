@@ -377,13 +377,24 @@ def test_abstract_train_state_places_moments_like_parameters():
 
 
 def test_example_train_script(tmp_path):
+    # QLoRA on the embedded default (its weights quantised as the release stores them; the
+    # full fine-tune of the script: tests/test_readme.py::test_train_example_hf), interrupted
+    # and resumed; the adapter it saves alone then runs in examples/generate.py --lora.
+    run = tmp_path / "run"
     cmd = ["examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
-    cmd += ["--save-every", "2", "--out", tmp_path / "run", "--layers", "1"]
+    cmd += ["--save-every", "2", "--out", run, "--layers", "1", "--lora", "4", "--quantized"]
     cmd += ["--remat", "none", "--micro-batches", "2"]  # the resume is under test, not remat
     # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
     # so the second process's step is the first's, from the session's compilation cache.)
     first = succeeded(run_python(*cmd, "--stop-after", "4"))
-    assert (tmp_path / "run" / "train_state" / "train_state.json").is_file()
+    assert (run / "train_state" / "train_state.json").is_file()
     assert "tokens/s" in first.stderr and "trained steps 0..4 of 6" in first.stderr
+    assert "LoRA: rank 4" in first.stderr and f"adapter in {run / 'adapter'}" in first.stderr
     again = succeeded(run_python(*cmd))
     assert "resumed at step 4" in again.stderr and "trained steps 4..6 of 6" in again.stderr
+    saved = sorted(p.name for p in (run / "adapter").iterdir())
+    assert saved[:2] == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (run / "model").exists()
+    cmd = ["examples/generate.py", "--layers", "1", "--quantized", "--lora", run / "adapter"]
+    generated = succeeded(run_python(*cmd, "--max-new-tokens", "4"))
+    assert f"adapter: {run / 'adapter'}" in generated.stderr
