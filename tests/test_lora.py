@@ -323,10 +323,9 @@ def test_adapter_made_with_peft_loads_here(tmp_path):
             for m in ("q_a_proj", "kv_proj", "o_b_proj")
         ]
         + ["model.layers.1.mlp.shared_experts.down_proj"],
-        target_parameters=[
-            "model.layers.1.mlp.experts.gate_up_proj",
-            "model.layers.2.mlp.experts.down_proj",
-        ],
+        # By suffix (every layer's, as PEFT's docs write it) and in full (one layer's, where
+        # its wrapper nests around gate_up_proj's).
+        target_parameters=["mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"],
         init_lora_weights=False,  # random B: the adapter changes the logits
     )
     with_peft = peft.get_peft_model(reference, lora_config).eval()
@@ -373,6 +372,14 @@ def test_clear_errors(small, tmp_path):
     with pytest.raises(ValueError, match="ed.lora.save"):  # a whole-model save would mix them in
         ed.save(tmp_path / "model", adapted)
     assert not (tmp_path / "model").exists()
+    # A merged QLoRA model holds its adapted weights dense beside FP8/FP4 ones, which a saved
+    # model cannot be read back as: refused at the save, naming the first.
+    merged = ed.lora.merge(
+        ed.lora.add(ed.quant.quantize_model(model), rank=2, key=jax.random.key(0))
+    )
+    with pytest.raises(ValueError, match=r"attn\.wq_a\.weight is dense"):
+        ed.save(tmp_path / "merged", merged)
+    assert not (tmp_path / "merged").exists()
     ed.lora.save(adapted, tmp_path / "dora")
     path = tmp_path / "dora" / "adapter_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "use_dora": True}))

@@ -25,7 +25,7 @@ from .._typecheck import typechecked
 from ..config import Config
 from ..nn import DeepseekV4
 from ..parallel import ShardingRules, barrier, is_primary, named_shardings, shared_token
-from ..quant import FP8, LoraWeight, QuantizedWeight, abstract_quantized
+from ..quant import FP8, LoraWeight, QuantizedWeight, abstract_quantized, release_format
 from ._names import Slot, assign, canonical_pieces
 
 
@@ -79,6 +79,25 @@ def quantized_meta(model: Any) -> dict | None:
         return None
     fp8 = [x.block for x in held if x.fmt == FP8] or [model.config.fp8_block_size or (128, 128)]
     return {"fp8_block": list(fp8[0]), "scale_dtype": jnp.dtype(held[0].scale.dtype).name}
+
+
+def _check_uniform_quantization(model: Any) -> None:
+    # A saved model is loaded either with every weight the release quantises quantised or
+    # with none (`skeleton_of`); a mix (e.g. a QLoRA model merged: its adapted weights dense,
+    # the others still FP8/FP4) would be written and then refused by `load`.
+    if quantized_meta(model) is None:
+        return
+    leaves = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )[0]
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        if release_format(name) and not isinstance(leaf, QuantizedWeight):
+            raise ValueError(
+                f"ed.save: {name} is dense while other weights are quantised, which ed.load "
+                "cannot read back; dequantise the rest (ed.quant.dequantize_model) or quantise "
+                "it (ed.quant.quantize_model) first"
+            )
 
 
 @typechecked
@@ -184,6 +203,7 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
             "ed.save: the model has LoRA adapters; save them alone with ed.lora.save(model, "
             "path), or fold them in with ed.lora.merge(model) first"
         )
+    _check_uniform_quantization(model)
     final = pathlib.Path(path).absolute()
     tmp = temporary_sibling(final)
     try:

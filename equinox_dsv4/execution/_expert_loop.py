@@ -223,8 +223,8 @@ def _as_cotangent(grad: Any, weight: Any) -> Any:
 
 def _bwd_rule(act, block, tail, policy, residuals, dys):
     xs, ws, w1, w2, w3, first, count, wanted = residuals
-    if isinstance(dys, jax.custom_derivatives.SymbolicZero):
-        dys = jnp.zeros(dys.aval.shape, dys.aval.dtype)
+    if isinstance(dys, jax.custom_derivatives.SymbolicZero):  # an output no loss reads
+        dys = varying_like(jnp.zeros(dys.aval.shape, dys.aval.dtype), xs, w1)
     c = wider_dtype(xs, w1)
     held = resolve(policy).held_dtype(xs.dtype)
 

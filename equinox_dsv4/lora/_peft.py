@@ -86,10 +86,14 @@ def _adapter_factors(model: Any) -> dict[str, tuple[np.ndarray, np.ndarray, floa
         if isinstance(w, LoraWeight)
     }
     adapters = eqx.filter(model, mask)
-    if jax.process_count() > 1:  # every process's shards, on every process (a collective)
+    if jax.process_count() > 1:
+        # Every process's shards, to the host of every process (a collective), one factor at
+        # a time: a whole stack replicated on every device only while it is copied out.
         from jax.experimental import multihost_utils
 
-        adapters = multihost_utils.process_allgather(adapters, tiled=True)
+        adapters = jax.tree.map(
+            lambda x: multihost_utils.process_allgather(x, tiled=True), adapters
+        )
     pieces = dict(canonical_pieces(adapters))
     plan, stages = model.plan, _stages(model)
     out = {}
@@ -307,17 +311,24 @@ def load(model: M, path: str | os.PathLike, *, dtype: Any = None) -> M:
         return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
     factors: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
-    targeted: dict[str, list[str]] = {}
-    for name in config.get("target_parameters") or []:
-        m = re.fullmatch(
-            r"(?:.*\.)?model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name
-        )
-        if not m:
-            raise ValueError(f"lora.load: {path}: target parameter {name!r} is not an expert stack")
-        targeted.setdefault(m[1], []).append(m[2])
+    # Which expert parameters each layer adapts, by PEFT's rule: a target names a parameter
+    # in full or by a suffix at a dot ("mlp.experts.gate_up_proj" targets every layer's).
+    wanted = config.get("target_parameters") or []
+    layers = {
+        m[1]
+        for key in tensors
+        if (m := re.match(r"base_model\.model\.model\.layers\.(\d+)\.mlp\.experts\.", key))
+    }
     experts_keys = {}
-    for layer, params in targeted.items():
-        params = [p for p in _PARAMS if p in params]
+    for layer in layers:
+        params = [
+            p
+            for p in _PARAMS
+            if any(
+                (full := f"model.layers.{layer}.mlp.experts.{p}") == t or full.endswith("." + t)
+                for t in wanted
+            )
+        ]
         for param, key in _expert_keys(layer, params).items():
             experts_keys[key] = (layer, param)
     by_module: dict[str, dict[str, np.ndarray]] = {}
