@@ -44,6 +44,11 @@ def hf_tiny(tmp_path_factory) -> pathlib.Path:
     return root
 
 
+def test_readme_is_a_short_manual():
+    # Details live in docs/ (fit tables, design, architecture), not in the README.
+    assert len(README.read_text().splitlines()) <= 250
+
+
 def test_readme_blocks_run_as_written(hf_tiny):
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 5, "the README's Python blocks were not found"
