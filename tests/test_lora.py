@@ -252,6 +252,35 @@ def test_training_changes_only_the_adapters():
             assert ed.quant.weight_bytes(ed.lora.base(after.model)) == ed.quant.weight_bytes(start)
 
 
+def test_trainable_overrides_the_adapters_only_default(small):
+    # `trainable=` picks what trains: here the adapters and the norms; the step and the state
+    # take the same filter, the norms change, the other base weights do not.
+    _, model = small
+    adapted = ed.lora.add(model, rank=2, key=jax.random.key(7))
+
+    def adapters_and_norms(m):
+        def visit(path, leaf):
+            if isinstance(leaf, L):
+                return L(jax.tree.map(lambda _: False, leaf.base), True, True, leaf.scale)
+            return jax.tree_util.keystr(path).endswith("norm.weight")
+
+        return jax.tree_util.tree_map_with_path(visit, m, is_leaf=_is_lora)
+
+    opt = ed.make_optimizer(1e-2, warmup_steps=0, total_steps=10)
+    state = ed.init_train_state(adapted, opt, trainable=adapters_and_norms)
+    step = ed.make_train_step(opt, trainable=adapters_and_norms, donate=False)
+    batch = ed.Batch.from_tokens(np.random.default_rng(5).integers(0, 97, (2, 13)).astype(np.int32))
+    after, _ = step(state, batch)
+    before = jax.tree_util.tree_flatten_with_path(ed.lora.base(state.model))[0]
+    now = jax.tree.leaves(ed.lora.base(after.model))
+    changed = {
+        jax.tree_util.keystr(p)
+        for (p, a), b in zip(before, now, strict=True)
+        if not np.array_equal(a, b)
+    }
+    assert changed and all(name.endswith("norm.weight") for name in changed), sorted(changed)
+
+
 def test_quantized_lora_step_has_no_frozen_cotangents():
     # The train step of a QLoRA model (FP8/FP4 base): no product in its program has the shape
     # of a routed expert's weight (256 x 32 or 32 x 256 here: its cotangent), which the full
