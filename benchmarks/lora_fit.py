@@ -27,11 +27,10 @@ Writes benchmarks/results/lora_fit.{json,md}.
 import argparse
 import math
 import pathlib
-import re
 
 from common import markdown, write
-from tpu_memory import RULES, compiled
-from tpu_train import COST_LAYERS, extrapolated
+from tpu_memory import RULES
+from tpu_train import compiled_run, out_of_memory, roofline
 
 import equinox_dsv4 as ed
 from equinox_dsv4.compile import TPU_PEAKS
@@ -73,23 +72,14 @@ def main() -> int:
     rows, table = [], []
     for name in args.only or RUNS:
         model, quantized, topology, mesh, batch, with_cost = RUNS[name]
-        memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
-        costs = [
-            compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
-            for n in (COST_LAYERS if with_cost else ())
-        ]
+        memory, costs = compiled_run(arguments, name, work, with_cost)
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
         weights = "FP8/FP4" if quantized else "bf16"
         cells = [model, weights, f"{chips} ({topology})", mesh, batch * SEQ_LEN]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
-            why = re.search(
-                r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)",
-                memory["error"],
-            )
-            why = f"{why[1]}B of temporaries > {why[2]}B" if why else memory["error"]
-            cells += ["-", "-", f"no: {why}"]
+            cells += ["-", "-", f"no: {out_of_memory(memory['error']) or memory['error']}"]
         else:
             train = memory["phases"]["train"]
             arg, temp = train["argument_bytes"], train["temp_bytes"]
@@ -107,12 +97,11 @@ def main() -> int:
         elif any("error" in c for c in costs):
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
         else:
-            cost = extrapolated(*costs, config.num_hidden_layers)
             useful = 2 * ed.train.forward_flops(config, SEQ_LEN, logits="all") * batch / chips
-            seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
-            row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
-            row |= {"estimate_seconds": seconds, "mfu_estimate": useful / seconds / peak}
-            cells.append(f"<= {useful / seconds / peak:.0%} ({seconds:.2f} s)")
+            bound = roofline(costs, config.num_hidden_layers, useful)
+            del bound["bound"]
+            row |= bound
+            cells.append(f"<= {bound['mfu_estimate']:.0%} ({bound['estimate_seconds']:.2f} s)")
         rows.append(row)
         table.append(cells)
         print(cells, flush=True)

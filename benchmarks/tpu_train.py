@@ -81,6 +81,40 @@ def extrapolated(shallow: dict, deeper: dict, layers: int) -> dict[str, float]:
     return {k: a[k] + pairs * (b[k] - a[k]) for k in ("flops", "bytes_accessed")}
 
 
+def compiled_run(
+    arguments, name: str, work: pathlib.Path, with_cost: bool
+) -> tuple[dict, list[dict]]:
+    """Run `name`'s whole-model compile and, `with_cost`, its unrolled cost compiles
+    (`COST_LAYERS`): `arguments(name, out, layers)` gives the compile tool's arguments."""
+    memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
+    costs = [
+        compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
+        for n in (COST_LAYERS if with_cost else ())
+    ]
+    return memory, costs
+
+
+def out_of_memory(error: str) -> str | None:
+    """The TPU compiler's out-of-memory refusal as "XB of temporaries > YB", else `None`."""
+    why = re.search(r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", error)
+    return f"{why[1]}B of temporaries > {why[2]}B" if why else None
+
+
+def roofline(costs: list[dict], layers: int, useful: float) -> dict:
+    """From the unrolled cost compiles: the whole model's cost per chip, the roofline step time
+    at v5p's peak, and the MFU bound that gives `useful` FLOPs per chip."""
+    peak, hbm = TPU_PEAKS["v5p"]
+    cost = extrapolated(*costs, layers)
+    seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
+    return {
+        "cost_per_chip": cost,
+        "useful_flops_per_chip": useful,
+        "estimate_seconds": seconds,
+        "mfu_estimate": useful / seconds / peak,
+        "bound": "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory",
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
@@ -93,22 +127,15 @@ def main() -> int:
     rows, table = [], []
     for name in args.only or RUNS:
         model, topology, mesh, batch, remat, micro, with_cost = RUNS[name][:7]
-        memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
-        costs = [
-            compiled(arguments(name, work / f"{name}-{n}.json", n), work / f"{name}-{n}.json")
-            for n in (COST_LAYERS if with_cost else ())
-        ]
+        memory, costs = compiled_run(arguments, name, work, with_cost)
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
         cells = [model, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
         cells += [", ".join((remat, *overrides(name))), micro]
         row = {"name": name, "memory": memory, "costs": costs}
         if "error" in memory:
-            why = re.search(
-                r"HLO temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)",
-                memory["error"],
-            )
-            why = f"out of memory: {why[1]}B of temporaries > {why[2]}B" if why else memory["error"]
+            why = out_of_memory(memory["error"])
+            why = f"out of memory: {why}" if why else memory["error"]
             cells += [f"refused ({why})", "-", "-"]
         else:
             train = memory["phases"]["train"]
@@ -119,13 +146,12 @@ def main() -> int:
         elif any("error" in c for c in costs):
             cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
         else:
-            cost = extrapolated(*costs, config.num_hidden_layers)
             useful = ed.train.train_flops(config, SEQ_LEN) * batch / chips
-            seconds = max(cost["flops"] / peak, cost["bytes_accessed"] / hbm)
-            row |= {"cost_per_chip": cost, "useful_flops_per_chip": useful}
-            row |= {"estimate_seconds": seconds, "mfu_estimate": useful / seconds / peak}
-            bound = "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory"
-            cells.append(f"<= {useful / seconds / peak:.0%} ({seconds:.2f} s, {bound})")
+            bound = roofline(costs, config.num_hidden_layers, useful)
+            kind = bound.pop("bound")
+            row |= bound
+            mfu, seconds = bound["mfu_estimate"], bound["estimate_seconds"]
+            cells.append(f"<= {mfu:.0%} ({seconds:.2f} s, {kind})")
         rows.append(row)
         table.append(cells)
         print(cells, flush=True)

@@ -66,13 +66,10 @@ def add_adapter_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def with_adapter(model: ed.DeepseekV4, args: argparse.Namespace) -> ed.DeepseekV4:
-    """`model` with the adapter `--lora` names (`ed.lora.load`), placed like the model."""
+    """`model` with the adapter `--lora` names (`ed.lora.load`: placed beside its weights)."""
     if args.lora is None:
         return model
     adapted = ed.lora.load(model, args.lora)
-    sharding = model.embed.weight.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        adapted = ed.shard(adapted, sharding.mesh)
     say(f"adapter: {args.lora}")
     return adapted
 

@@ -134,11 +134,10 @@ def run(args: argparse.Namespace) -> int:
     say(f"model: {source} ({time.perf_counter() - t0:.1f} s)")
     if args.lora is not None:
         key = jax.random.key(args.seed + 1)
+        # On a mesh the factors are created beside their weights (`ed.lora.add` places them).
         model = ed.lora.add(
             model, rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets, key=key
         )
-        if mesh is not None:  # the adapters placed like their weights
-            model = ed.shard(model, mesh)
         say(f"LoRA: rank {args.lora}, targets {', '.join(args.lora_targets or ed.lora.TARGETS)}")
     say(f"data: {args.text}, {len(tokens)} tokens")
 

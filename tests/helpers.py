@@ -59,6 +59,16 @@ def random_adapters(model, seed: int, scale: float = 0.3):
     return jax.tree.map(fill, model, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
 
 
+def adapted_weights(model) -> list:
+    """The `LoraWeight`s of `model`, in tree order."""
+    import jax
+
+    import equinox_dsv4 as ed
+
+    leaves = jax.tree.leaves(model, is_leaf=ed.quant.is_weight)
+    return [w for w in leaves if isinstance(w, ed.lora.LoraWeight)]
+
+
 def run_python(
     *args,
     cwd: pathlib.Path = ROOT,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import COMPONENT, LOGITS, assert_close, random_adapters, run_python
+from helpers import COMPONENT, LOGITS, adapted_weights, assert_close, random_adapters
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -49,7 +49,7 @@ def test_fresh_adapters_change_nothing(small, base):
     elif base == "fp8/fp4":
         model = ed.quant.quantize_model(model)
     adapted = ed.lora.add(model, rank=4, alpha=8.0, key=jax.random.key(1))
-    n = sum(isinstance(w, L) for w in jax.tree.leaves(adapted, is_leaf=_is_lora))
+    n = len(adapted_weights(adapted))
     assert n == 3 * 11 + 11  # every default target of the three layers and the MTP block
     expected = _logits(model, IDS)
     got = _logits(adapted, IDS)
@@ -65,10 +65,6 @@ def test_adapted_model_equals_merged(small):
     got, want = _logits(adapted, IDS), _logits(merged, IDS)
     assert float(jnp.max(jnp.abs(got - _logits(model, IDS)))) > 0.1  # the adapters matter
     assert_close(got, want, COMPONENT)
-
-
-def _adapted_weights(model):
-    return [w for w in jax.tree.leaves(model, is_leaf=_is_lora) if isinstance(w, L)]
 
 
 @pytest.mark.parametrize("mesh", [None, "fsdp2-expert2"])
@@ -89,17 +85,17 @@ def test_adapter_gradients_equal_autograd_of_merged(small, mesh):
         params, frozen = eqx.partition(adapted, ed.train.trainable(adapted))
         return jax.grad(lambda p: objective(eqx.combine(p, frozen)))(params)
 
-    got = _adapted_weights(factor_grads(adapted))
+    got = adapted_weights(factor_grads(adapted))
     if mesh is None:
 
         def where(m):
-            return _adapted_weights(m)
+            return adapted_weights(m)
 
         @jax.jit
         def merged_grads(ws):
             return jax.grad(lambda ws: objective(eqx.tree_at(where, adapted, ws)))(ws)
 
-        weights = _adapted_weights(adapted)
+        weights = adapted_weights(adapted)
         grads = merged_grads([w.merged(jnp.float32) for w in weights])
         for g, w, gw in zip(got, weights, grads, strict=True):
             want_a = w.scale * jnp.einsum("...or,...oi->...ri", w.b, gw)
@@ -113,7 +109,7 @@ def test_adapter_gradients_equal_autograd_of_merged(small, mesh):
     mesh = ed.make_mesh(fsdp=4, expert=2)
     sharded = ed.shard(adapted, mesh)
     with jax.set_mesh(mesh):
-        on_mesh = _adapted_weights(factor_grads(sharded))
+        on_mesh = adapted_weights(factor_grads(sharded))
     for g, h in zip(got, on_mesh, strict=True):
         _close_in_norm(h.a, g.a)
         _close_in_norm(h.b, g.b)
@@ -234,7 +230,7 @@ def test_training_changes_only_the_adapters():
         state = ed.init_train_state(adapted, opt)
         # The optimizer state holds adapter-sized leaves only (Adam's two moments).
         moments = sum(x.size for x in jax.tree.leaves(eqx.filter(state.opt_state, eqx.is_array)))
-        factors = sum(w.a.size + w.b.size for w in _adapted_weights(adapted))
+        factors = sum(w.a.size + w.b.size for w in adapted_weights(adapted))
         assert factors < moments <= 2 * factors + 16
         losses, after = [], state
         for _ in range(4):
@@ -244,10 +240,10 @@ def test_training_changes_only_the_adapters():
         base_before = jax.tree.leaves(ed.lora.base(state.model))
         base_after = jax.tree.leaves(ed.lora.base(after.model))
         assert all(np.array_equal(a, b) for a, b in zip(base_before, base_after, strict=True))
-        pairs = zip(_adapted_weights(state.model), _adapted_weights(after.model), strict=True)
+        pairs = zip(adapted_weights(state.model), adapted_weights(after.model), strict=True)
         assert all(not np.array_equal(w0.b, w1.b) for w0, w1 in pairs)
         if base == "fp8/fp4":
-            kept = _adapted_weights(after.model)
+            kept = adapted_weights(after.model)
             assert all(isinstance(w.base, ed.quant.QuantizedWeight) for w in kept)
             assert ed.quant.weight_bytes(ed.lora.base(after.model)) == ed.quant.weight_bytes(start)
 
@@ -375,8 +371,7 @@ def test_save_and_load_keep_every_adapter(small, tmp_path):
     assert config["peft_type"] == "LORA"
     assert (tmp_path / "a" / "equinox_dsv4_adapter.safetensors").is_file()
     loaded = ed.lora.load(model, tmp_path / "a")
-    want = [w for w in jax.tree.leaves(adapted, is_leaf=_is_lora) if isinstance(w, L)]
-    got = [w for w in jax.tree.leaves(loaded, is_leaf=_is_lora) if isinstance(w, L)]
+    want, got = adapted_weights(adapted), adapted_weights(loaded)
     assert len(got) == len(want)
     # The same updates; the routed experts' w1/w3 come back through transformers' packed
     # gate_up form (a shared A of twice the rank, the scale folded into B).
@@ -433,7 +428,7 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
 
     @eqx.filter_jit
     def value_and_grad(experts):
-        params, frozen = eqx.partition(experts, _factors_mask(experts))
+        params, frozen = eqx.partition(experts, ed.quant.factors_only(experts))
 
         def loss(params):
             y = eqx.combine(params, frozen)(x, ids, route)
@@ -450,21 +445,3 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
     assert_close(y2, y1)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert_close(b, a)
-
-
-def _factors_mask(tree):
-    return jax.tree.map(
-        lambda w: (
-            L(jax.tree.map(lambda _: False, w.base), True, True, w.scale)
-            if isinstance(w, L)
-            else jax.tree.map(lambda _: False, w)
-        ),
-        tree,
-        is_leaf=lambda x: isinstance(x, L | ed.quant.QuantizedWeight),
-    )
-
-
-def test_example_lora_options_are_checked():
-    # The script trains with adapters in tests/test_train.py::test_example_train_script.
-    refused = run_python("examples/train.py", "--lora-alpha", "8", "--steps", "1")
-    assert refused.returncode != 0 and "need --lora RANK" in refused.stderr

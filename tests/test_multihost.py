@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import COMPONENT, LOGITS, random_adapters
+from helpers import COMPONENT, LOGITS, adapted_weights, random_adapters
 from hf_reference import C, H, S, reference_model, tiny_config
 from multihost import free_port, launch, start
 from release_layout import write_release_checkpoint
@@ -143,18 +143,29 @@ def test_one_process_save_loads_in_two(run):
     np.testing.assert_allclose(arrays["saved_logits"], logits(single), **LOGITS)
 
 
-def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
-    # FSDP inside each process, experts split between them. Plain SGD: the update is the
-    # gradient itself (Adam's first step, g / |g|, would magnify float32 summation-order noise
-    # in near-zero gradient entries into full-size updates).
-    root, single, reports, _ = run
-    opt = optax.sgd(0.5)
-    step = ed.make_train_step(opt, donate=False, remat=None)
+# The workers' optimizer: plain SGD, whose update is the gradient itself (Adam's first step,
+# g / |g|, would magnify float32 summation-order noise in near-zero gradient entries into
+# full-size updates).
+SGD = optax.sgd(0.5)
+
+
+def _one_sgd_step(model, reports, key: str):
+    # One process's step on the workers' batch; its loss and gradient norm equal what each
+    # worker reported under `key`.
+    step = ed.make_train_step(SGD, donate=False, remat=None)
     batch = ed.Batch.from_tokens(np.asarray(TRAIN_TOKENS, np.int32))
-    new, metrics = step(ed.init_train_state(single, opt), batch)
+    new, metrics = step(ed.init_train_state(model, SGD), batch)
     for r in reports:
-        np.testing.assert_allclose(r["train"]["loss"], metrics["loss"], rtol=1e-6)
-        np.testing.assert_allclose(r["train"]["grad_norm"], metrics["grad_norm"], rtol=1e-5)
+        np.testing.assert_allclose(r[key]["loss"], metrics["loss"], rtol=1e-6)
+        np.testing.assert_allclose(r[key]["grad_norm"], metrics["grad_norm"], rtol=1e-5)
+    return new, metrics
+
+
+def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
+    # FSDP inside each process, experts split between them (plain SGD, `SGD`).
+    root, single, reports, _ = run
+    new, metrics = _one_sgd_step(single, reports, "train")
+    for r in reports:
         assert r["state_restored_equal"]
         split, leaves = r["split_after_step"]
         assert split > leaves // 3  # the weights stay sharded after the update
@@ -167,7 +178,7 @@ def test_train_step_equals_one_process_and_its_save_loads_in_one(run):
         np.testing.assert_allclose(b, a, **COMPONENT)
     # The train state written by two processes, restored in one.
     restored, position = ed.train.restore_train_state(
-        root / "out" / "state", ed.init_train_state(single, opt)
+        root / "out" / "state", ed.init_train_state(single, SGD)
     )
     assert position == 7 and int(restored.step) == 1
 
@@ -178,19 +189,8 @@ def test_lora_in_two_processes(run):
     # saved, against one process.
     root, single, reports, _ = run
     adapted = ed.lora.load(single, root / "adapter")
-    opt = optax.sgd(0.5)
-    step = ed.make_train_step(opt, donate=False, remat=None)
-    batch = ed.Batch.from_tokens(np.asarray(TRAIN_TOKENS, np.int32))
-    new, metrics = step(ed.init_train_state(adapted, opt), batch)
-    for r in reports:
-        np.testing.assert_allclose(r["lora_train"]["loss"], metrics["loss"], rtol=1e-6)
-        np.testing.assert_allclose(r["lora_train"]["grad_norm"], metrics["grad_norm"], rtol=1e-5)
+    new, _ = _one_sgd_step(adapted, reports, "lora_train")
     saved = ed.lora.load(single, root / "out" / "adapter_trained")
-
-    def adapted_weights(m):
-        leaves = jax.tree.leaves(m, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
-        return [w for w in leaves if isinstance(w, ed.lora.LoraWeight)]
-
     pairs = zip(adapted_weights(new.model), adapted_weights(saved), strict=True)
     for one, two in pairs:
         np.testing.assert_allclose(two.merged(), one.merged(), **COMPONENT)

@@ -25,7 +25,7 @@ from .._typecheck import typechecked
 from ..config import Config
 from ..nn import DeepseekV4
 from ..parallel import ShardingRules, barrier, is_primary, named_shardings, shared_token
-from ..quant import FP8, LoraWeight, QuantizedWeight, abstract_quantized, release_format
+from ..quant import FP8, QuantizedWeight, abstract_quantized, has_adapters, release_format
 from ._names import Slot, assign, canonical_pieces
 
 
@@ -197,8 +197,7 @@ def save(path: str | os.PathLike, model: DeepseekV4) -> None:
     with the same path on a shared file system; each writes the shards it holds, process 0
     the metadata and manifest. A model with LoRA adapters is refused: save the adapters alone
     (`ed.lora.save`) or fold them in first (`ed.lora.merge`)."""
-    weights = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LoraWeight))
-    if any(isinstance(w, LoraWeight) for w in weights):
+    if has_adapters(model):
         raise ValueError(
             "ed.save: the model has LoRA adapters; save them alone with ed.lora.save(model, "
             "path), or fold them in with ed.lora.merge(model) first"

@@ -20,6 +20,7 @@ from ..quant import (
     QuantizedWeight,
     act_quant,
     base_of,
+    factor_specs,
     whole_blocks,
 )
 from ._dispatch import dispatch
@@ -156,9 +157,8 @@ def weight_spec(weight: Any, spec: P) -> Any:
     dim, its `B` like the base's output dim (their rank dims whole)."""
     if not isinstance(weight, LoraWeight):
         return spec
-    *lead, out, inner = tuple(spec) + (None,) * (weight.ndim - len(spec))
     return LoraWeight(
-        weight_spec(weight.base, spec), P(*lead, None, inner), P(*lead, out, None), weight.scale
+        weight_spec(weight.base, spec), *factor_specs(spec, weight.ndim), weight.scale
     )
 
 

@@ -8,13 +8,12 @@ and read the adapters alone in PEFT's layout under transformers' module names.
 May import: config, quant, execution, nn, parallel, ckpt.
 """
 
-from ..quant import LoraWeight as LoraWeight
+from ..quant import LoraWeight as LoraWeight, has_adapters as has_adapters
 from ._adapters import (
     DEFAULT_TARGETS as DEFAULT_TARGETS,
     TARGETS as TARGETS,
     add as add,
     base as base,
-    has_adapters as has_adapters,
     merge as merge,
     target_of as target_of,
 )

@@ -15,12 +15,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray
 
 from .._typecheck import typechecked
-from ..quant import LoraWeight, QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight, factor_specs, has_adapters, is_weight
 
 
 M = TypeVar("M", bound=eqx.Module)
@@ -42,11 +42,7 @@ TARGETS: dict[str, str] = {
 # The compressor, indexer, router, norms and mHC are never targets by default (nor can be).
 DEFAULT_TARGETS: tuple[str, ...] = tuple(TARGETS)
 # Where the drafting blocks live: an MTP block, a DSpark drafter's stages.
-_DRAFT = re.compile(r"\.(mtp\[\d+\]|dspark)\.")
-
-
-def _is_weight(x: Any) -> bool:
-    return isinstance(x, QuantizedWeight | LoraWeight)
+DRAFT = re.compile(r"\.(mtp\[\d+\]|dspark)\.")
 
 
 @typechecked
@@ -98,12 +94,12 @@ def add(
     if has_adapters(model):
         raise ValueError("lora.add: the model already has adapters (lora.merge them first)")
     scale = float(rank if alpha is None else alpha) / rank
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_weight)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_weight)[0]
     picked = {
         jax.tree_util.keystr(p)
         for p, _ in leaves
         if target_of(jax.tree_util.keystr(p)) in chosen
-        and (drafters or not _DRAFT.search(jax.tree_util.keystr(p)))
+        and (drafters or not DRAFT.search(jax.tree_util.keystr(p)))
     }
     if not picked:
         raise ValueError(f"lora.add: no weight of the model matches the targets {list(chosen)}")
@@ -127,7 +123,7 @@ def add(
         )
         return LoraWeight(leaf, a, b, scale)
 
-    return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=_is_weight)
+    return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=is_weight)
 
 
 def factor_shardings(weight: Any) -> tuple[NamedSharding, NamedSharding] | None:
@@ -140,12 +136,8 @@ def factor_shardings(weight: Any) -> tuple[NamedSharding, NamedSharding] | None:
     sharding = array.sharding
     if not isinstance(sharding, NamedSharding):
         return None
-    *lead, out, inner = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
-    mesh = sharding.mesh
-    return (
-        NamedSharding(mesh, PartitionSpec(*lead, None, inner)),
-        NamedSharding(mesh, PartitionSpec(*lead, out, None)),
-    )
+    a, b = factor_specs(sharding.spec, array.ndim)
+    return NamedSharding(sharding.mesh, a), NamedSharding(sharding.mesh, b)
 
 
 @typechecked
@@ -155,7 +147,7 @@ def merge(model: M) -> M:
     return jax.tree.map(
         lambda w: w.merged() if isinstance(w, LoraWeight) else w,
         model,
-        is_leaf=_is_weight,
+        is_leaf=is_weight,
     )
 
 
@@ -163,11 +155,5 @@ def merge(model: M) -> M:
 def base(model: M) -> M:
     """`model` without its adapters: each `LoraWeight` replaced by its base, as loaded."""
     return jax.tree.map(
-        lambda w: w.base if isinstance(w, LoraWeight) else w, model, is_leaf=_is_weight
+        lambda w: w.base if isinstance(w, LoraWeight) else w, model, is_leaf=is_weight
     )
-
-
-@typechecked
-def has_adapters(model: Any) -> bool:
-    """Whether any weight of `model` has an adapter (`LoraWeight`)."""
-    return any(isinstance(x, LoraWeight) for x in jax.tree.leaves(model, is_leaf=_is_weight))

@@ -42,8 +42,8 @@ from safetensors.numpy import load_file, save_file
 from .._typecheck import typechecked
 from ..ckpt import canonical_pieces, canonical_to_path
 from ..parallel import barrier, is_primary
-from ..quant import LoraWeight
-from ._adapters import _is_weight, base, factor_shardings, has_adapters
+from ..quant import LoraWeight, factors_only, has_adapters, is_weight
+from ._adapters import DRAFT, base, factor_shardings
 
 
 M = TypeVar("M", bound=eqx.Module)
@@ -65,27 +65,17 @@ _MODULES = {
 }
 _PARAMS = ("gate_up_proj", "down_proj")  # transformers' expert parameters, in module order
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_DRAFT = re.compile(r"\.(mtp\[\d+\]|dspark)\.")
 
 
 def _adapter_factors(model: Any) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """`{canonical weight name: (A, B, scale)}` of every adapter, one entry per layer (a
     stack's layers split, as `canonical_pieces` splits weights)."""
-    mask = jax.tree.map(
-        lambda w: (
-            LoraWeight(jax.tree.map(lambda _: False, w.base), True, True, w.scale)
-            if isinstance(w, LoraWeight)
-            else jax.tree.map(lambda _: False, w)
-        ),
-        model,
-        is_leaf=_is_weight,
-    )
     scales = {
         jax.tree_util.keystr(p): w.scale
-        for p, w in jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_weight)[0]
+        for p, w in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_weight)[0]
         if isinstance(w, LoraWeight)
     }
-    adapters = eqx.filter(model, mask)
+    adapters = eqx.filter(model, factors_only(model))
     if jax.process_count() > 1:
         # Every process's shards, to the host of every process (a collective), one factor at
         # a time: a whole stack replicated on every device only while it is copied out.
@@ -240,9 +230,14 @@ def save(model: eqx.Module, path: str | os.PathLike, *, peft_only: bool = False)
         if extra_tensors:
             save_file({k: np.ascontiguousarray(v) for k, v in extra_tensors.items()}, tmp / EXTRA)
             (tmp / EXTRA_CONFIG).write_text(json.dumps({"scales": extra_scales}, indent=2) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
+        if path.exists():  # the previous adapter stays whole until the new one is in place
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -412,10 +407,10 @@ def _with_factors(model: M, factors: dict, dtype: Any, source: str) -> M:
         )
         return LoraWeight(leaf, a, b, scale)
 
-    out = jax.tree_util.tree_map_with_path(place, model, is_leaf=_is_weight)
+    out = jax.tree_util.tree_map_with_path(place, model, is_leaf=is_weight)
     # A model loaded without its drafting blocks (generation without drafts) runs without
     # their adapters; any other adapter without a weight is an error.
-    grouped = {k: v for k, v in grouped.items() if not _DRAFT.match(k)}
+    grouped = {k: v for k, v in grouped.items() if not DRAFT.search(k)}
     if grouped:
         raise ValueError(f"lora.load: {source}: no weight of the model at {sorted(grouped)}")
     return out

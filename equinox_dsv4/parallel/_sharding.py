@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .._typecheck import typechecked
 from ..execution import batch_axes
 from ..nn import KVCache, LayerStack
-from ..quant import LoraWeight, QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight, factor_specs, is_weight
 
 
 # A model, or any module of one (e.g. a layer's `Experts`): placement is by its own axes.
@@ -200,9 +200,7 @@ def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) ->
             # (`execution.weight_spec`).
             base = spec(path + (jax.tree_util.GetAttrKey("base"),), leaf.base)
             whole = base if isinstance(base, PartitionSpec) else base.values
-            *lead, out, inner = tuple(whole) + (None,) * (leaf.ndim - len(whole))
-            a, b = PartitionSpec(*lead, None, inner), PartitionSpec(*lead, out, None)
-            return LoraWeight(base, a, b, leaf.scale)
+            return LoraWeight(base, *factor_specs(whole, leaf.ndim), leaf.scale)
         if not isinstance(leaf, QuantizedWeight):
             return rules.spec(axes[key], leaf.shape, mesh)
         # Values and scales split alike, into whole blocks, so each device dequantises its own.
@@ -210,9 +208,7 @@ def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) ->
         one = rules.spec(axes[key + ".values"], leaf.shape, mesh, blocks)
         return jax.tree.map(lambda _: one, leaf)
 
-    return jax.tree_util.tree_map_with_path(
-        spec, model, is_leaf=lambda x: isinstance(x, QuantizedWeight | LoraWeight)
-    )
+    return jax.tree_util.tree_map_with_path(spec, model, is_leaf=is_weight)
 
 
 @typechecked

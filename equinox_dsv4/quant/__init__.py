@@ -12,7 +12,15 @@ a weight of either kind (or dense) kept as loaded, with LoRA's two factors besid
 May import: nothing of the package.
 """
 
-from ._lora import LoraWeight as LoraWeight, base_dense as base_dense, base_of as base_of
+from ._lora import (
+    LoraWeight as LoraWeight,
+    base_dense as base_dense,
+    base_of as base_of,
+    factor_specs as factor_specs,
+    factors_only as factors_only,
+    has_adapters as has_adapters,
+    is_weight as is_weight,
+)
 from ._numerics import (
     ACT_BLOCK as ACT_BLOCK,
     EXACT as EXACT,
@@ -52,6 +60,10 @@ __all__ = [
     "LoraWeight",
     "base_dense",
     "base_of",
+    "is_weight",
+    "has_adapters",
+    "factors_only",
+    "factor_specs",
     "quantize",
     "dense",
     "dequantize_host",

@@ -10,12 +10,14 @@ as it would without the adapter and adds `scale * B (A x)`, never forming `W + s
 from typing import Any
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float
 
 from .._typecheck import typechecked
-from ._weight import dense
+from ._weight import QuantizedWeight, dense
 
 
 class LoraWeight(eqx.Module):
@@ -86,6 +88,41 @@ class LoraWeight(eqx.Module):
         delta = jnp.einsum("...or,...ri->...oi", self.b, self.a, preferred_element_type=jnp.float32)
         base = dense(self.base, jnp.float32)
         return (base + self.scale * delta).astype(dtype)
+
+
+@typechecked
+def is_weight(x: Any) -> bool:
+    """Whether `x` is a weight form that trees of a model are mapped over whole
+    (`is_leaf=is_weight`): a `QuantizedWeight` or a `LoraWeight`."""
+    return isinstance(x, QuantizedWeight | LoraWeight)
+
+
+@typechecked
+def has_adapters(model: Any) -> bool:
+    """Whether any weight of `model` has an adapter (`LoraWeight`)."""
+    return any(isinstance(x, LoraWeight) for x in jax.tree.leaves(model, is_leaf=is_weight))
+
+
+@typechecked
+def factors_only(model: Any) -> Any:
+    """The filter of the adapters' factors: `True` at every `A` and `B`, `False` at every
+    other leaf (the bases included)."""
+
+    def mark(w: Any) -> Any:
+        if isinstance(w, LoraWeight):
+            return LoraWeight(jax.tree.map(lambda _: False, w.base), True, True, w.scale)
+        return jax.tree.map(lambda _: False, w)
+
+    return jax.tree.map(mark, model, is_leaf=is_weight)
+
+
+@typechecked
+def factor_specs(spec: PartitionSpec, ndim: int) -> tuple[PartitionSpec, PartitionSpec]:
+    """The partition specs of a `LoraWeight`'s `A` and `B` beside a base of `ndim` dims split
+    by `spec`: `A` split like the base's input dim, `B` like its output dim, their rank dims
+    whole, so that each device's products with its slices sum like the base's."""
+    *lead, out, inner = tuple(spec) + (None,) * (ndim - len(spec))
+    return PartitionSpec(*lead, None, inner), PartitionSpec(*lead, out, None)
 
 
 @typechecked

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int, PyTree, Shaped
 
 from .._typecheck import typechecked
 from ..nn import Block, DeepseekV4, RouterStats, Stats
-from ..quant import LoraWeight, QuantizedWeight
+from ..quant import LoraWeight, QuantizedWeight, has_adapters, is_weight
 
 
 class Batch(eqx.Module):
@@ -85,17 +85,7 @@ def trainable(model: DeepseekV4, *, drafter_only: bool = False) -> PyTree[bool]:
         frozen = key.endswith(".ffn.gate.bias") or drafter != drafter_only
         return eqx.is_inexact_array(leaf) and not frozen
 
-    return jax.tree_util.tree_map_with_path(visit, model, is_leaf=_is_weight)
-
-
-def _is_weight(x) -> bool:
-    return isinstance(x, QuantizedWeight | LoraWeight)
-
-
-def has_adapters(model) -> bool:
-    """Whether `model` holds adapters (`LoraWeight`), whose base, router biases included,
-    stays as loaded."""
-    return any(isinstance(x, LoraWeight) for x in jax.tree.leaves(model, is_leaf=_is_weight))
+    return jax.tree_util.tree_map_with_path(visit, model, is_leaf=is_weight)
 
 
 @typechecked

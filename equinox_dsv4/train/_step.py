@@ -15,12 +15,12 @@ from .._typecheck import typechecked
 from ..execution import Policy, with_policy
 from ..nn import DeepseekV4
 from ..parallel import committed
+from ..quant import has_adapters
 from ._dspark import DSparkObjective, dspark_step
 from ._losses import (
     Batch,
     TrainState,
     _all_stats,
-    has_adapters,
     loss_and_stats,
     trainable as default_trainable,
     update_router_bias,
