@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import COMPONENT, LOGITS, adapted_weights, assert_close, random_adapters
+from helpers import COMPONENT, LOGITS, adapted_weights, assert_close, random_adapters, run_python
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -445,3 +445,9 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
     assert_close(y2, y1)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert_close(b, a)
+
+
+def test_example_lora_options_are_checked():
+    # The script trains with adapters in tests/test_train.py::test_example_train_script.
+    refused = run_python("examples/train.py", "--lora-alpha", "8", "--steps", "1")
+    assert refused.returncode != 0 and "need --lora RANK" in refused.stderr
