@@ -4,11 +4,11 @@ smallest TPU v5p slices (libtpu's compiler) and for 8-GPU nodes (XLA's GPU compi
 CUDA plugin): per-chip figures.
 
 Each row is one `make_train_step` step of a model with `ed.lora.add(model, rank=16)` (every
-default target: the attention projections, the shared and the routed experts of every layer;
-the base frozen, AdamW's moments of the adapters only; forward, backward of the activations
-and the adapters, optimizer update) on 4096-token sequences, on the recommended rules
-(README, "Memory on TPUs"), compiled with `python -m equinox_dsv4.compile --train --lora 16
-[--quantized] --topology ...`: the whole model, layers scanned as the library runs them;
+default target: the attention projections, the shared and the routed experts of every layer; the
+base frozen, AdamW's moments of the adapters only; forward, backward of the activations and the
+adapters, optimizer update) on 4096-token sequences, on the rules that split the dense weights
+over `expert` (`tpu_memory.RULES`), compiled with `python -m equinox_dsv4.compile --train --lora
+16 [--quantized] --topology ...`: the whole model, layers scanned as the library runs them;
 arguments and temporaries per chip, and whether the step fits the chip's memory (arguments +
 outputs + temporaries - aliased, against the chip's HBM; the compile tool refuses a GPU step
 that does not fit).
@@ -56,7 +56,9 @@ def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[s
     args = ["--model", model, "--topology", topology, "--mesh", mesh, "--train"]
     args += ["--lora", str(RANK), "--batch", str(batch), "--seq-len", str(SEQ_LEN)]
     args += ["--json", str(out)] + (["--quantized"] if quantized else [])
-    args += [a for rule in RULES for a in ("--rule", rule)]  # the recommended rules
+    # The dense weights over `expert` too: on these meshes without fsdp the default would keep
+    # them whole on every chip, and a fine-tuning step needs the room.
+    args += [a for rule in RULES for a in ("--rule", rule)]
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
 
 

@@ -1093,7 +1093,7 @@ SECTIONS: dict[str, Section] = {
     "tpu_memory": Section(
         "TPU memory per chip",
         "tpu_memory.py",
-        "V4-Flash and V4-Pro compiled for v5p slices on the recommended rules.",
+        "V4-Flash and V4-Pro compiled for v5p slices on the default rules.",
         _tpu_memory,
         _TPU,
     ),

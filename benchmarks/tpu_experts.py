@@ -1,7 +1,7 @@
 """The routed experts' two kernels for many assignments on a TPU, side by side: the sorted
 expert loop (`Policy.experts="loop"`, XLA:CPU's form) and `jax.lax.ragged_dot`
 (`"ragged"`, every other platform's default), in V4-Flash's bf16 prefill and decode on
-v5p:4x4x4 (64 chips, fsdp 8 x expert 8, the recommended rules), compiled here by libtpu's
+v5p:4x4x4 (64 chips, fsdp 8 x expert 8, the default rules), compiled here by libtpu's
 compiler without a TPU (`python -m equinox_dsv4.compile --policy experts=...`). Per chip:
 arguments, temporaries, and XLA's cost analysis. The programs are scanned, so XLA counts each
 loop's body once: the loop's expert FLOPs and bytes are one expert's, ragged_dot's are all of

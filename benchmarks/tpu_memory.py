@@ -1,7 +1,7 @@
 """Per-chip memory of V4-Flash and V4-Pro on TPU v5p slices, compiled here without a TPU.
 
 Each run is `python -m equinox_dsv4.compile --topology ...` (libtpu's compiler, so the figures
-are the TPU's per chip) on the recommended mesh and sharding rules (README, "Memory on TPUs"),
+are the TPU's per chip) on the recommended mesh and the default sharding rules (`RULES`),
 bf16 activations, batch one sequence per `fsdp` row, a 4096-token prefill and a decode step
 with a 4352-token cache, weights in bf16 or kept quantised (`--quantized`), exact numerics
 unless the row says otherwise. Runs one after
@@ -23,9 +23,12 @@ import sys
 
 from common import ROOT, markdown, write
 
+import equinox_dsv4 as ed
 
-RULES = ["embed=fsdp+expert", "heads_x_dim=tensor+expert", "groups_x_rank=tensor+expert"]
-RULES += ["mlp=tensor+expert"]
+
+# The rules every run here places the weights by: on these fsdp x expert meshes, the default
+# (`ShardingRules.for_mesh`), as `--rule` arguments would write them (the results' record).
+RULES = [f"{k}={'+'.join(v)}" for k, v in ed.parallel.FSDP_EXPERT_RULES.items()]
 TOPOLOGIES = {64: ("v5p:4x4x4", "fsdp=8,expert=8"), 128: ("v5p:4x4x8", "fsdp=16,expert=8")}
 TOPOLOGIES |= {256: ("v5p:4x8x8", "fsdp=16,expert=16"), 16: ("v5p:2x2x4", "fsdp=2,expert=8")}
 PHASES = ("prefill", "decode", "draft", "train")
@@ -58,9 +61,9 @@ RUNS = {
 def compile_arguments(
     model: str, quantized: bool, topology: str, mesh: str, phases: str, out: pathlib.Path
 ) -> list[str]:
-    """`python -m equinox_dsv4.compile`'s arguments for a run on the recommended rules."""
+    """`python -m equinox_dsv4.compile`'s arguments for a run on the default rules (`RULES`)."""
     args = ["--model", model, "--topology", topology, "--mesh", mesh, "--phases", phases]
-    args += ["--json", str(out)] + [a for rule in RULES for a in ("--rule", rule)]
+    args += ["--json", str(out)]
     return args + (["--quantized"] if quantized else [])
 
 

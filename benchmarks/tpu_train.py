@@ -2,8 +2,8 @@
 TPU (libtpu's compiler, per-chip figures).
 
 Each row is one `make_train_step` step (AdamW, its moments placed as the parameters; the
-forward, backward, optimizer update and router-bias update) on the recommended rules (README,
-"Memory on TPUs"), bf16 weights, 4096-token sequences, compiled with
+forward, backward, optimizer update and router-bias update) on the default rules
+(`tpu_memory.RULES` on these meshes), bf16 weights, 4096-token sequences, compiled with
 `python -m equinox_dsv4.compile --train --topology ...`:
 
 - the whole model, layers scanned as the library runs them: arguments and temporaries per chip;
@@ -38,7 +38,7 @@ from equinox_dsv4.compile import TPU_PEAKS
 
 SEQ_LEN = 4096
 # name -> (model, topology, mesh, global batch, remat, micro-batches, with the cost compiles[,
-# rules overriding the recommended ones]). The unrolled cost compiles take 7-9 minutes each on
+# rules overriding the default ones]). The unrolled cost compiles take 7-9 minutes each on
 # a 2-core host: run for few rows.
 RUNS = {
     "flash-64": ("v4-flash", "v5p:4x4x4", "fsdp=8,expert=8", 8, "dots", 1, False),
@@ -60,7 +60,7 @@ COST_LAYERS = (5, 7)
 
 
 def overrides(name: str) -> tuple[str, ...]:
-    """The run's rules overriding the recommended ones (its optional last field)."""
+    """The run's rules overriding the default ones (its optional last field)."""
     return RUNS[name][7] if len(RUNS[name]) > 7 else ()
 
 

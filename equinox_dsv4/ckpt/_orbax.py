@@ -269,7 +269,7 @@ def load(
     - `mesh`: when given, every leaf is created with its `NamedSharding` (see `ShardingRules`)
       and each device reads only its own part from disk. Required with several processes
       (every one of them calls `load`; a save from any number of processes loads on any mesh).
-    - `rules`: logical-to-mesh axis rules (default `ShardingRules()`).
+    - `rules`: logical-to-mesh axis rules (default `ShardingRules.for_mesh(mesh)`).
     - `batch_bytes`: how much is read from disk per batch of leaves.
 
     **Returns:** the `DeepseekV4` model, with its weights as saved: quantised weights (from

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
     if args.policy:
         platform = ed.execution.Policy.for_platform(devices[0].platform)
         model = ed.execution.with_policy(model, dataclasses.replace(platform, **args.policy))
-    rules = ed.parallel.ShardingRules().replace(**args.rules)
+    rules = ed.parallel.ShardingRules.for_mesh(mesh).replace(**args.rules)
     model = placed(model, ed.parallel.named_shardings(model, mesh, rules))
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
     cache = placed(cache, ed.parallel.cache_shardings(cache, mesh))
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         "batch": batch,
         "max_len": max_len,
         "dtype": args.dtype,
-        "rules": {k: v for k, v in rules.rules if k in args.rules},
+        "rules": rules.changes(),
         "policy": args.policy,
         "parameters": parameters,
         "parameter_bytes": param_bytes,

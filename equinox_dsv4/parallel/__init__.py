@@ -23,6 +23,7 @@ from ._mesh import (
 )
 from ._sharding import (
     DEFAULT_RULES as DEFAULT_RULES,
+    FSDP_EXPERT_RULES as FSDP_EXPERT_RULES,
     ShardingRules as ShardingRules,
     cache_shardings as cache_shardings,
     committed as committed,
@@ -41,6 +42,7 @@ __all__ = [
     "parse_rules",
     "ShardingRules",
     "DEFAULT_RULES",
+    "FSDP_EXPERT_RULES",
     "shard",
     "shard_cache",
     "cache_shardings",

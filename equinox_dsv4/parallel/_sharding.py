@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .._typecheck import typechecked
 from ..execution import batch_axes
@@ -58,6 +58,21 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+# On a mesh that splits the weights over `fsdp` and the routed experts over `expert`, every
+# chip of an `expert` row would hold the same fsdp slice of each dense weight as its
+# neighbours. The dense weights are gathered layer by layer over `fsdp` already; splitting them
+# over `expert` too makes that gather's group larger, not its traffic per chip, and divides
+# their bytes per chip by `expert` (`benchmarks/results/tpu_memory.json`). Where nothing is
+# gathered over `fsdp` (e.g. a GPU node serving on `expert` alone), the dense weights stay
+# whole on each expert chip: splitting them would add a gather to every layer.
+FSDP_EXPERT_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "embed": ("fsdp", "expert"),
+    "heads_x_dim": ("tensor", "expert"),
+    "groups_x_rank": ("tensor", "expert"),
+    "mlp": ("tensor", "expert"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
     """Logical axis name -> mesh axis name, or a tuple of them (see `spec`), or `None`
@@ -69,14 +84,28 @@ class ShardingRules:
     def of(cls, mapping: Mapping[str, str | tuple[str, ...] | None]) -> "ShardingRules":
         return cls(tuple(mapping.items()))
 
+    @classmethod
+    def for_mesh(cls, mesh: Mesh | AbstractMesh) -> "ShardingRules":
+        """The default placement on `mesh`: `DEFAULT_RULES`, and on a mesh with both `fsdp`
+        and `expert` axes (of more than one device each) the dense weights split over both
+        (`FSDP_EXPERT_RULES`). What `shard`, `named_shardings`, `ed.load` and
+        `convert.load_hf` use when given no rules."""
+        if mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("expert", 1) > 1:
+            return cls.of({**DEFAULT_RULES, **FSDP_EXPERT_RULES})
+        return cls()
+
     def replace(self, **changes: str | tuple[str, ...] | None) -> "ShardingRules":
         return self.of({**dict(self.rules), **changes})
+
+    def changes(self) -> dict[str, str | tuple[str, ...] | None]:
+        """The rules that differ from `DEFAULT_RULES` (a report's record of a placement)."""
+        return {k: v for k, v in self.rules if DEFAULT_RULES.get(k, "unlisted") != v}
 
     def spec(
         self,
         axes: tuple[str | None, ...],
         shape: tuple[int, ...],
-        mesh: Mesh,
+        mesh: Mesh | AbstractMesh,
         blocks: tuple[int, ...] | None = None,
     ) -> PartitionSpec:
         """The `PartitionSpec` of an array with these logical axes and shape on `mesh`. With
@@ -187,9 +216,10 @@ def logical_axes(model: Any) -> dict[str, tuple[str | None, ...]]:
 
 
 @typechecked
-def partition_specs(model: M, mesh: Mesh, rules: ShardingRules | None = None) -> M:
-    """A pytree like `model` with the `PartitionSpec` of every array leaf."""
-    rules = ShardingRules() if rules is None else rules
+def partition_specs(model: M, mesh: Mesh | AbstractMesh, rules: ShardingRules | None = None) -> M:
+    """A pytree like `model` with the `PartitionSpec` of every array leaf, by `rules`
+    (default: `ShardingRules.for_mesh(mesh)`)."""
+    rules = ShardingRules.for_mesh(mesh) if rules is None else rules
     axes = logical_axes(model)
 
     def spec(path, leaf):
