@@ -105,7 +105,7 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
     params = {n: int(table[n].operands[0]) for n in inside if table[n].opcode == "parameter"}
     read = {i: _operand_bytes(instruction, i, table) for i in params.values()}
     for param, i in params.items():
-        sliced = _sliced(param, inside, table)
+        sliced = _sliced(param, inside, table, computations)
         if sliced is not None:
             read[i] = sliced * _ITEMSIZE.get(table[param].shape.split("[")[0], 0)
     root = table[inside[-1]] if inside else instruction
@@ -120,21 +120,30 @@ _SLICES = ("slice", "dynamic-slice", "gather")
 _ELEMENTWISE = ("convert", "bitcast", "copy", "reshape")
 
 
-def _sliced(value: str, inside: list[str], table: dict[str, Instruction]) -> int | None:
-    # The elements of `value` a fusion reads where every use of it is a slice, directly or
-    # through element-wise ops (XLA:CPU converts a 16-bit operand, then slices it); else None.
+def _sliced(
+    value: str, inside: list[str], table: dict[str, Instruction], computations: dict
+) -> int | None:
+    # The elements of `value` a fusion reads where every use of it is a slice, directly, through
+    # element-wise ops (XLA:CPU converts a 16-bit operand, then slices it) or inside a fusion
+    # nested in this one (XLA's TPU backend slices a layer out of a stack that way); else None.
     users = [n for n in inside if value in table[n].operands]
     total = 0
     for n in users:
         if table[n].opcode in _SLICES and table[n].operands[0] == value:
-            total += int(np.prod(dims(table[n].shape)))
+            more = int(np.prod(dims(table[n].shape)))
         elif table[n].opcode in _ELEMENTWISE:
-            more = _sliced(n, inside, table)
-            if more is None:
-                return None
-            total += more
+            more = _sliced(n, inside, table, computations)
+        elif table[n].opcode == "fusion" and table[n].operands.count(value) == 1:
+            nested = _inside(table[n], computations)
+            index = str(table[n].operands.index(value))
+            param = [m for m in nested if table[m].opcode == "parameter"]
+            param = [m for m in param if table[m].operands[0] == index]
+            more = _sliced(param[0], nested, table, computations) if param else None
         else:
+            more = None
+        if more is None:
             return None
+        total += more
     return total if users else None
 
 

@@ -56,8 +56,9 @@ def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[s
     args = ["--model", model, "--topology", topology, "--mesh", mesh, "--train"]
     args += ["--lora", str(RANK), "--batch", str(batch), "--seq-len", str(SEQ_LEN)]
     args += ["--json", str(out)] + (["--quantized"] if quantized else [])
-    # The dense weights over `expert` too: on these meshes without fsdp the default would keep
-    # them whole on every chip, and a fine-tuning step needs the room.
+    # The dense weights over `expert` too: the default on the TPU meshes; on the GPU ones,
+    # without fsdp, the default keeps them whole on every GPU, and a fine-tuning step needs
+    # the room.
     args += [a for rule in RULES for a in ("--rule", rule)]
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
 

@@ -2,25 +2,32 @@
 from the TPU compiler's cost analysis and set beside a floor from first principles.
 
 Each run is `python -m equinox_dsv4.compile --topology v5p:4x4x4 --unrolled ...` (libtpu's
-compiler, no TPU): the recommended mesh and rules of `tpu_memory.py`, bf16 activations, one
-4096-token sequence per `fsdp` row, a decode step with a 4352-token cache. `--unrolled`
-because XLA's cost analysis counts a loop's body once: with the layers scanned it would cover
-one layer of each scanned group. XLA's per-chip FLOPs and bytes accessed become a step time at
-v5p's published peak (`PEAK_FLOPS`, `HBM_BYTES_PER_S`): `max(FLOPs / peak, bytes / bandwidth)`,
-compute and memory traffic overlapped perfectly. The floor counts what the step must do:
+compiler, no TPU): 64 chips, fsdp 8 x expert 8, the default rules and the TPU's execution
+policy, bf16 activations, one 4096-token sequence per `fsdp` row, a decode step of 8 sequences
+(64 for the batch-64 row) with a 4352-token cache (a 1M-token cache for the 1M rows, of 8
+sequences and of one). The "before" rows are the prefill and the decode step under the
+policy's earlier forms (`BEFORE`: the layers' slices behind a barrier, a decode step's tokens
+split along the batch, the tokens of at most 64 assignments travelling to the experts, a
+prefill's sequences whole on each chip of an `expert` row), compiled in the same run.
+`--unrolled` because XLA's cost analysis counts a loop's body once: with the layers scanned it
+would cover one layer of each scanned group. XLA's per-chip FLOPs and bytes accessed become a
+step time at v5p's published peak (`PEAK_FLOPS`, `HBM_BYTES_PER_S`): `max(FLOPs / peak,
+bytes / bandwidth)`, compute and memory traffic overlapped perfectly. The floor counts what
+the step must do:
 
 - prefill: the model's useful FLOPs (`ed.train.forward_flops`, per sequence) over the slice's
   peak, and every weight read once over the slice's bandwidth; the larger of the two.
 - decode: the weight bytes the batch must read (embedding and hash tables one row per
   sequence, each layer's routed experts the expected fraction a batch of `B` tokens touches
-  with top-k of E uniform routing, `1 - (1 - k/E)^B`, everything else whole), over the slice's
-  bandwidth; the FLOPs, two per active parameter per token, over its peak; the larger of the
-  two. The KV cache read is left out (at 4352 tokens it is under 1% of the weights).
+  with top-k of E uniform routing, `1 - (1 - k/E)^B`, everything else whole) and the cache
+  bytes each sequence must read (`cache_read_bytes`), over the slice's bandwidth; the FLOPs,
+  two per active parameter per token, over its peak; the larger of the two.
 
 For each step, the bytes each part of the model reads and writes (`traffic_by_part`, from the
-compiled HLO text: operands and results of every operation, by the op names JAX gives them)
-say where the traffic beyond the floor comes from; and one prefill layer alone, the first
-five layers' program less the first four's (`layer_traffic`).
+compiled HLO text: every kernel's operands and results, an operand only sliced charged its
+slices, by the op names JAX gives them) say where the traffic beyond the floor comes from; and
+one prefill layer alone, the first five layers' program less the first four's
+(`layer_traffic`).
 
 These are estimates from the compiler's own accounting, not runs on a TPU.
 
@@ -41,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import typing
 
 import hlo
 import jax
@@ -51,30 +59,62 @@ import equinox_dsv4 as ed
 from equinox_dsv4.compile import TPU_PEAKS
 
 
-LABELS = {"flash-b-64-gather": ", before", "flash-b-64-vocab": ", vocab split"}
 # Published per-chip figures for TPU v5p (cloud.google.com/tpu/docs/v5p): 459 TFLOP/s bf16,
 # 2,765 GB/s HBM2e.
 PEAK_FLOPS, HBM_BYTES_PER_S = TPU_PEAKS["v5p"]
 PREFILL = 4096
-# name -> (model, quantised, topology, mesh, phases, experts' STATIONARY_ROWS or None[,
-# rules added to the recommended ones])
+TOPOLOGY, MESH = "v5p:4x4x4", "fsdp=8,expert=8"
+
+
+class Run(typing.NamedTuple):
+    """One compiled configuration: the model, whether its weights are the release's FP8/FP4,
+    the phases, the batch (default: one sequence per `fsdp` row), the decode step's cache
+    length (default: the prefill + 256), `--policy` and `--rule` overrides, and the label its
+    rows carry in the table."""
+
+    model: str
+    quantized: bool
+    phases: tuple[str, ...]
+    batch: int | None = None
+    max_len: int | None = None
+    policy: tuple[str, ...] = ()
+    rules: tuple[str, ...] = ()
+    label: str = ""
+
+
+# The TPU policy's fields as they were before its measured changes (docs/design.md).
+BEFORE = ("barrier_slices=true", "stationary_tokens=0", "stationary_rows=64", "split_chunks=0")
 RUNS = {
-    "flash-b-64": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
-    "flash-q-64": ("v4-flash", True, "v5p:4x4x4", "fsdp=8,expert=8", ("prefill", "decode"), None),
-    # The decode step as before Round 19: every chip gathers its experts' weights over fsdp.
-    "flash-b-64-gather": ("v4-flash", False, "v5p:4x4x4", "fsdp=8,expert=8", ("decode",), 0),
-    # The embedding and the head split along the vocabulary instead of d_model (archive/NOTES.md,
-    # item 56).
-    "flash-b-64-vocab": (
+    "flash-b-64": Run("v4-flash", False, ("prefill", "decode")),
+    "flash-b-64-batch-64": Run("v4-flash", False, ("decode",), batch=64, label=", batch 64"),
+    # The forms before the TPU's `barrier_slices` and `stationary_tokens` (docs/design.md):
+    # each layer's slices copied, and in a decode step every dense weight gathered to every
+    # chip.
+    "flash-b-64-before": Run(
         "v4-flash",
         False,
-        "v5p:4x4x4",
-        "fsdp=8,expert=8",
-        ("decode",),
-        None,
-        ("vocab=fsdp+expert",),
+        ("prefill", "decode"),
+        policy=BEFORE,
+        label=", before",
     ),
+    "flash-b-64-batch-64-before": Run(
+        "v4-flash",
+        False,
+        ("decode",),
+        batch=64,
+        policy=BEFORE,
+        label=", batch 64, before",
+    ),
+    "flash-b-64-1m": Run("v4-flash", False, ("decode",), max_len=1 << 20, label=", 1M cache"),
+    "flash-b-64-1m-batch-1": Run(
+        "v4-flash", False, ("decode",), batch=1, max_len=1 << 20, label=", 1M cache"
+    ),
+    "flash-q-64": Run("v4-flash", True, ("prefill", "decode")),
 }
+# What a run without `--only` compiles (`flash-q-64` on request).
+DEFAULT_RUNS = ("flash-b-64", "flash-b-64-before", "flash-b-64-batch-64")
+DEFAULT_RUNS += ("flash-b-64-batch-64-before",)
+DEFAULT_RUNS += ("flash-b-64-1m", "flash-b-64-1m-batch-1")
 
 
 def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None = None) -> dict:
@@ -86,12 +126,13 @@ def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None
     suffix = f"-{layers}-layers" if layers else ""
     out = work / f"{name}-{phase}{suffix}.json"
     if not out.exists():
-        model, quantized, topology, mesh, _, stationary, *rules = RUNS[name]
+        run = RUNS[name]
         cmd = [sys.executable, "-m", "equinox_dsv4.compile"]
-        if stationary is not None:
-            cmd += ["--policy", f"stationary_rows={stationary}"]
-        cmd += compile_arguments(model, quantized, topology, mesh, phase, out)
-        cmd += [a for rule in (rules[0] if rules else ()) for a in ("--rule", rule)]
+        cmd += [a for field in run.policy for a in ("--policy", field)]
+        cmd += compile_arguments(run.model, run.quantized, TOPOLOGY, MESH, phase, out)
+        cmd += [a for rule in run.rules for a in ("--rule", rule)]
+        cmd += ["--batch", str(run.batch)] if run.batch else []
+        cmd += ["--max-len", str(run.max_len)] if run.max_len else []
         cmd += ["--unrolled", "--prefill", str(PREFILL), "--hlo", str(work / (name + suffix))]
         cmd += ["--layers", str(layers)] if layers else []
         text = work / f"{name}{suffix}.{phase}.txt"
@@ -120,7 +161,8 @@ _FREE |= {"conditional", "copy-done", "all-gather-done", "after-all", "partition
 PARTS = (
     (r"moe/shard_map/all_gather", "routed experts: weights gathered over fsdp"),
     (r"moe/shard_map/while", "routed experts: the expert loop (products, block writes)"),
-    (r"moe/shard_map/(vmap\(\.\.\.i,oi|.*dot_general)", "routed experts: the decode products"),
+    # ragged_dot's grouped products (a prefill's), or a decode step's products.
+    (r"moe/shard_map/(vmap\(\.\.\.i,oi|.*dot_general)", "routed experts: the products"),
     (r"moe/shard_map/gather", "routed experts: rows or weights gathered per assignment"),
     (r"moe/shard_map", "routed experts: sorting, masks, the sums over top-k and devices"),
     (r"/moe/", "router, shared expert"),
@@ -134,11 +176,12 @@ PARTS = (
 
 
 def traffic_by_part(text: str) -> collections.Counter:
-    """Bytes each part of the model reads and writes in a compiled module: every operation's
-    operands and results (a fusion at its boundary; a loop's body once, as XLA's cost analysis
+    """Bytes each part of the model reads and writes in a compiled module: every kernel's
+    operands and results (`hlo.kernel_bytes`: an operand a fusion only slices, directly or in
+    a fusion nested in it, charged its slices; a loop's body once, as XLA's cost analysis
     counts it), by `PARTS` from its op name, or its operand's where it has none (an
     asynchronous collective's steps); relayout copies and collectives that name no source
-    op apart. Slices are charged their whole operand, so the sum is above XLA's count."""
+    op apart."""
     table, computations = hlo.parse(text)
     entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M)[1]
     out = collections.Counter()
@@ -163,14 +206,11 @@ def traffic_by_part(text: str) -> collections.Counter:
                 continue
             if instruction.opcode in _FREE:
                 continue
-            moved = hlo.shape_bytes(instruction.shape) + sum(
-                hlo.shape_bytes(table[o].shape) for o in instruction.operands if o in table
-            )
             op = source(name)
             part = next((p for key, p in PARTS if re.search(key, op)), None)
             if part is None:
                 part = _unnamed(name, instruction.opcode)
-            out[part] += moved
+            out[part] += hlo.kernel_bytes(name, table, computations)
 
     walk(entry)
     return out
@@ -200,13 +240,17 @@ def _unnamed(name: str, opcode: str) -> str:
     return "relayout copies" if "copy" in opcode else "other"
 
 
-def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[str, dict]:
+def floors(
+    config: ed.Config, quantized: bool, chips: int, batch: int, context: int
+) -> dict[str, dict]:
     """Per-chip floor (seconds) of a prefill of `batch` x PREFILL tokens and of a decode step of
-    `batch` tokens, each with its bytes and FLOPs."""
+    `batch` tokens with `context` tokens in each sequence's cache, each with its bytes and
+    FLOPs."""
     kinds = weight_kinds(config, jax.numpy.bfloat16, quantized)
     e, k = config.n_routed_experts, config.num_experts_per_tok
     touched = 1 - (1 - k / e) ** batch
     decode_bytes = kinds["other"] + kinds["experts"] * touched + kinds["row"] * batch
+    decode_bytes += cache_read_bytes(config, context) * batch
     decode_flops = 2 * ed.train.active_parameters(config) * batch
     prefill_bytes = kinds["tables"] + kinds["experts"] + kinds["other"]
     prefill_fl = ed.train.forward_flops(config, PREFILL) * batch
@@ -225,6 +269,22 @@ def floors(config: ed.Config, quantized: bool, chips: int, batch: int) -> dict[s
     return out
 
 
+def cache_read_bytes(config: ed.Config, context: int, itemsize: int = 2) -> int:
+    """Bytes of cache a decode step must read for one sequence with `context` tokens before
+    it: every layer's sliding window; an HCA layer's every compressed entry; a CSA layer's
+    indexer keys of every compressed entry and its `index_topk` picked entries."""
+    total = 0
+    for kind in config.layer_types:
+        total += min(config.sliding_window, context) * config.head_dim
+        if kind == ed.config.HCA:
+            total += context // config.compress_rate_hca * config.head_dim
+        elif kind == ed.config.CSA:
+            entries = context // config.compress_rate_csa
+            picked = min(config.index_topk, entries)
+            total += entries * config.index_head_dim + picked * config.head_dim
+    return total * itemsize
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
@@ -233,20 +293,21 @@ def main() -> int:
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows, table, breakdown = [], [], []
-    names = args.only or list(RUNS)
+    names = args.only or list(DEFAULT_RUNS)
     # Every compile first: this process must not start JAX's TPU client (libtpu admits one
     # process at a time) before its compiler subprocesses are done.
-    compiled = {n: {p: compile_report(n, p, work) for p in RUNS[n][4]} for n in names}
+    compiled = {n: {p: compile_report(n, p, work) for p in RUNS[n].phases} for n in names}
     layer = layer_traffic(work)
     for name in names:
-        model, quantized, topology, mesh, phases, *_ = RUNS[name]
+        run = RUNS[name]
+        model, quantized, topology, mesh = run.model, run.quantized, TOPOLOGY, MESH
         reports = compiled[name]
         report = reports["decode"]
         config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
         config = dataclasses.replace(config, num_nextn_predict_layers=0)
         chips, batch = report["devices"], report["batch"]
-        floor = floors(config, quantized, chips, batch)
-        for phase in phases:
+        floor = floors(config, quantized, chips, batch, report["max_len"] - 1)
+        for phase in run.phases:
             r = reports[phase]["phases"][phase]
             flops, nbytes = r["flops"], r["bytes_accessed"]
             compute, memory = flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S
@@ -261,6 +322,8 @@ def main() -> int:
                 "weights": "FP8/FP4" if quantized else "bf16",
                 "batch": batch,
                 "tokens": tokens,
+                "cache_length": report["max_len"],
+                "policy": list(run.policy),
                 "xla_flops_per_chip": flops,
                 "xla_bytes_per_chip": nbytes,
                 "compute_seconds": compute,
@@ -287,7 +350,7 @@ def main() -> int:
             rows.append(row)
             table.append(
                 [
-                    f"{model}, {row['weights']}" + LABELS.get(name, ""),
+                    f"{model}, {row['weights']}" + run.label,
                     f"{chips} ({topology}), {mesh}",
                     f"{phase}, {tokens} tokens",
                     f"{flops / 1e12:.2f} / {f['flops'] / 1e12:.2f} "

@@ -2,6 +2,7 @@
 single-device logits and decode steps; every weight is placed by the rules; the MoE's compiled
 FLOPs follow top-k, not the number of experts."""
 
+import collections
 import dataclasses
 import json
 import re
@@ -285,6 +286,70 @@ def test_decode_moves_tokens_not_expert_weights(single):
         np.testing.assert_allclose(out, steps[0], **COMPONENT)
     assert _gathered_expert_stacks(many, local) > 0
     assert _gathered_expert_stacks(few, local) == 0
+
+
+def test_decode_keeps_dense_weights_in_place(single):
+    # `Policy.stationary_tokens`: a decode step's few tokens split along d_model over fsdp x
+    # expert at the block boundaries and the attention's input, as the dense weights are, so
+    # that those stay where they are (each device's slice of the product, then a sum of
+    # activations: what the TPU compiler then does, `benchmarks/tpu_roofline.py`; for the tiny
+    # model XLA moves the activations either way); a prefill's many tokens split along the
+    # batch as before. Both equal one device.
+    many, few = _prefill_then_step(single, dict(fsdp=4, expert=2), stationary_tokens=8)
+    split, stationary = _constraints(many), _constraints(few)
+    # The embedding's output, the scanned period's two blocks and two attentions, the stack's.
+    assert split["batch"] >= 6 and split["d_model"] == 0
+    assert stationary == {"d_model": split["batch"]}
+
+
+def test_long_chunks_split_along_the_sequence(single):
+    # `Policy.split_chunks`: a prefill's sequences split over `expert` as well as the batch over
+    # fsdp at the block boundaries (each chip of an expert row its share of the tokens); XLA
+    # moves the sliding window and the compressed entries across the split. The 20-token
+    # prefill splits at 5, 10 and 15: three CSA blocks of 4 and both HCA blocks of 8 straddle a
+    # split, and the window of 8 reaches across each. Equal to one device: the forward, a
+    # prefill into the cache and the decode step after it.
+    many, _ = _prefill_then_step(single, dict(fsdp=2, expert=4), split_chunks=8, forward=True)
+    assert _constraints(many)["sequence"] >= 6
+
+
+def _prefill_then_step(single, axes, forward=False, **policy) -> tuple[str, str]:
+    # The model on a mesh of `axes` under the CPU policy with `policy`'s changes: (the forward,
+    # if asked,) a 20-token prefill and a decode step, each equal to one device; the prefill's
+    # and the step's lowered programs.
+    model, ids, logits, prefill, steps = single
+    mesh = ed.make_mesh(**axes)
+    changed = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), **policy)
+    placed = ed.execution.with_policy(ed.shard(model, mesh), changed)
+    with jax.set_mesh(mesh):
+        if forward:
+            np.testing.assert_allclose(eqx.filter_jit(placed)(ids), logits, **COMPONENT)
+        cache = ed.parallel.shard_cache(placed.init_cache(8, 32), mesh)
+        many = _decode.lower(placed, ids[:, :20], cache).as_text()
+        out, cache = _decode(placed, ids[:, :20], cache)
+        np.testing.assert_allclose(out, prefill, **COMPONENT)
+        few = _decode.lower(placed, ids[:, 20:21], cache).as_text()
+        out, cache = _decode(placed, ids[:, 20:21], cache)
+        np.testing.assert_allclose(out, steps[0], **COMPONENT)
+    return many, few
+
+
+def _constraints(text: str) -> collections.Counter:
+    # The lowered program's sharding constraints on activations `[batch, chunk, ...]`: split
+    # along the batch over fsdp, along the last dim (d_model) over fsdp and expert, or along
+    # the batch and the sequence over expert.
+    out = collections.Counter()
+    for spec in re.findall(r"sdy.sharding_constraint %\S+ <@mesh, \[(.*?)\]>", text):
+        dims = re.findall(r"\{([^}]*)\}", spec)
+        if dims[0] == '"fsdp"' and not any(dims[1:]):
+            out["batch"] += 1
+        elif dims[-1] == '"fsdp", "expert"' and not any(dims[:-1]):
+            out["d_model"] += 1
+        elif dims[:2] == ['"fsdp"', '"expert"'] and not any(dims[2:]):
+            out["sequence"] += 1
+        else:
+            out["other"] += 1
+    return out
 
 
 def test_vocabulary_split_equals_single_device():

@@ -81,12 +81,31 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
     assert (
         ed.execution.Policy.for_arrays(_model(tpu_mesh))
         == ed.execution.Policy.for_platform("tpu")
-        == ed.execution.Policy("tpu", experts="ragged")
+        == ed.execution.Policy(
+            "tpu",
+            experts="ragged",
+            barrier_slices=False,
+            stationary_tokens=64,
+            stationary_rows=512,
+            split_chunks=1024,
+        )
     )
     assert (
         ed.execution.Policy.for_arrays(bf16).widen_16bit
         and ed.execution.Policy.for_arrays(bf16).platform == "cpu"
     )
+
+
+def test_tpu_meshes_split_dense_weights_over_expert(tpu_mesh):
+    # The default placement on a TPU mesh with `expert` and no fsdp (QLoRA's): the dense weights
+    # over `expert` too; on the same mesh of CPU devices (as of a GPU node) they stay whole.
+    tpu = Mesh(tpu_mesh.devices.reshape(1, 1, 1, 4), AXES, axis_types=(AxisType.Auto,) * 4)
+    cpu = Mesh(np.array(jax.devices()[:4]).reshape(1, 1, 1, 4), AXES, axis_types=tpu.axis_types)
+    assert ed.parallel.ShardingRules.for_mesh(tpu).changes() == ed.parallel.FSDP_EXPERT_RULES
+    assert ed.parallel.ShardingRules.for_mesh(cpu).changes() == {}
+    model = eqx.filter_eval_shape(ed.DeepseekV4, CONFIG, key=jax.random.key(0))
+    (_, stack) = ed.parallel.partition_specs(model, tpu).layers
+    assert stack.blocks[0].attn.wq_a.weight == P(None, None, ("fsdp", "expert"))  # fsdp: 1
 
 
 def test_tpu_trace_takes_the_generic_forms(tpu_mesh):

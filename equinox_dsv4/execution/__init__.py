@@ -21,6 +21,7 @@ from ._loop import (
     with_remat as with_remat,
 )
 from ._mesh import (
+    EMBED_AXES as EMBED_AXES,
     batch_axes as batch_axes,
     constrain_batch as constrain_batch,
     mesh_axis as mesh_axis,
@@ -78,4 +79,5 @@ __all__ = [
     "mesh_axis",
     "batch_axes",
     "constrain_batch",
+    "EMBED_AXES",
 ]

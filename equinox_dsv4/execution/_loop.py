@@ -84,7 +84,7 @@ def run_layers(
         # conversion in front of the slicing and out of the loop, materialising a converted
         # copy of the whole stack (`Route.carry_weights` for a backend that converts in
         # front of the slicing itself). A stack of one is its parameters.
-        if repeats > 1:
+        if repeats > 1 and policy.barrier_slices:
             weights = jax.lax.optimization_barrier(weights)
         return period(x, weights, caches)
 

@@ -10,8 +10,13 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
+from ._policy import Policy
+
 
 BATCH_AXES = ("data", "fsdp")
+# The mesh axes that split the dense weights' `d_model` where the mesh has both (the default
+# placement, `parallel.FSDP_EXPERT_RULES`): a decode step's activations split the same way.
+EMBED_AXES = ("fsdp", "expert")
 
 
 def mesh_axis(name: str) -> int:
@@ -39,10 +44,25 @@ def _product(axes: list[str]) -> int:
     return out
 
 
-def constrain_batch(x: Array) -> Array:
-    """Shard `x`'s leading (batch) axis over the batch mesh axes, the rest replicated: the layout
-    at block boundaries. A no-op without a mesh."""
+def constrain_batch(x: Array, policy: Policy | None = None) -> Array:
+    """The layout of activations `x` (`[batch, chunk, ..., d_model]`) at block boundaries:
+    split along the batch over the batch mesh axes, the rest replicated. A chunk of at most
+    `policy.stationary_tokens` tokens in all (a decode step) is split along `d_model` over
+    `EMBED_AXES` instead, as the dense weights' `d_model` is (the default placement on a mesh
+    with `fsdp` and `expert`): each device then multiplies its slice of every dense weight,
+    and the products' partial sums and the activations travel, where split along the batch
+    every device would gather every dense weight whole. A chunk of at least
+    `policy.split_chunks` tokens per sequence is split along the sequence over `expert` too. A
+    no-op without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    spec = P(batch_axes(x.shape[0]), *(None,) * (x.ndim - 1))
+    if policy is not None and x.shape[0] * x.shape[1] <= policy.stationary_tokens:
+        axes = [a for a in EMBED_AXES if mesh_axis(a) > 1]
+        if axes and x.shape[-1] % _product(axes) == 0:
+            spec = P(*(None,) * (x.ndim - 1), tuple(axes))
+            return jax.lax.with_sharding_constraint(x, spec)
+    seq, n = None, mesh_axis("expert")
+    if policy is not None and 0 < policy.split_chunks <= x.shape[1] and x.shape[1] % n == 0:
+        seq = "expert" if n > 1 else None
+    spec = P(batch_axes(x.shape[0]), seq, *(None,) * (x.ndim - 2))
     return jax.lax.with_sharding_constraint(x, spec)

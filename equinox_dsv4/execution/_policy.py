@@ -42,6 +42,10 @@ class Policy:
       each dynamic update of it).
     - `carry_stacks`: for the same reason, 16-bit layer stacks ride in a loop's carry, through
       a barrier, so that their conversion cannot be hoisted in front of the loop, whole.
+    - `barrier_slices`: a layer loop fixes each layer's slice of the stacked weights behind an
+      optimisation barrier before the layer reads it, so that no conversion of a weight (a
+      16-bit widening, a dequantisation) is moved in front of the slicing and out of the
+      loop, onto the whole stack. The barrier makes the slice a copy.
     - `late_slices`: the scheduler creates values as early as it can (XLA:CPU's breadth-first
       default). Then an unrolled loop over stacked layers takes layer `r`'s slices only once
       the residual streams exist.
@@ -61,6 +65,16 @@ class Policy:
       the platform.
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
+    - `stationary_tokens`: up to this many tokens at a block boundary (batch x chunk: a
+      decode step), the dense weights stay where they are and the activations travel: the
+      activations are split along `d_model` as the weights are (`constrain_batch`), not
+      along the batch.
+    - `split_chunks`: a chunk of at least this many tokens per sequence (a prefill, a train
+      step; 0: none) is split along the sequence over `expert` as well as along the batch at
+      the block boundaries, so that the attention, the mHC and the norms of a sequence run
+      on every chip of its `expert` row, each on its share of the tokens, instead of on all
+      of them alike. XLA moves what a chip needs across the split (the window and the
+      compressed entries before its tokens).
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow
@@ -70,6 +84,7 @@ class Policy:
     platform: str = "generic"
     widen_16bit: bool = False
     carry_stacks: bool = False
+    barrier_slices: bool = True
     late_slices: bool = False
     group_matmuls: bool = False
     blocked_argmax: bool = False
@@ -78,12 +93,15 @@ class Policy:
     few_writes: int = 16
     few_tokens: int = 16
     stationary_rows: int = 64
+    stationary_tokens: int = 0
+    split_chunks: int = 0
     rolled_sinkhorn: bool = False
 
     def __post_init__(self):
         if self.experts not in ("loop", "ragged"):
             raise ValueError(f"Policy.experts must be 'loop' or 'ragged', got {self.experts!r}")
-        for name in ("few_writes", "few_tokens", "stationary_rows"):
+        counts = ("few_writes", "few_tokens", "stationary_rows", "stationary_tokens")
+        for name in (*counts, "split_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Policy.{name} must be an int, got {value!r}")
@@ -92,8 +110,23 @@ class Policy:
     def for_platform(cls, platform: str) -> "Policy":
         """The policy for programs compiled for `platform` (`"cpu"`, `"gpu"`, `"tpu"`, ...): the
         plain forms and `ragged_dot` for the routed experts (on GPUs the Sinkhorn rounds as a
-        loop, `rolled_sinkhorn`), except on XLA:CPU, whose forms are its own and whose experts
-        run the loop (`ragged_dot` measured far slower there)."""
+        loop, `rolled_sinkhorn`; on TPUs no barrier on the layers' slices and decode steps'
+        tokens travelling to the dense weights, `stationary_tokens`), except on XLA:CPU, whose
+        forms are its own and whose experts run the loop (`ragged_dot` measured far slower
+        there)."""
+        if platform == "tpu":
+            # By the TPU compiler's count (benchmarks/tpu_roofline.py): without the barrier
+            # the layer loop's slices are read in place; a decode step's tokens travel to the
+            # dense weights, and up to 64 sequences' to the experts' weights; a prefill's
+            # sequences split over `expert` too.
+            return cls(
+                platform,
+                experts="ragged",
+                barrier_slices=False,
+                stationary_tokens=64,
+                stationary_rows=512,
+                split_chunks=1024,
+            )
         if platform != "cpu":
             return cls(platform, experts="ragged", rolled_sinkhorn=platform == "gpu")
         return cls(

@@ -21,7 +21,14 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..config import CSA, HCA, SLIDING, Config
-from ..execution import Policy, grouped_linear, map_chunks, policy_field, set_rows
+from ..execution import (
+    Policy,
+    constrain_batch,
+    grouped_linear,
+    map_chunks,
+    policy_field,
+    set_rows,
+)
 from ..quant import act_quant, kv_round_trip
 from ._cache import Chunk, LayerCache, window_slots
 from ._compressor import CSACompressor, HCACompressor
@@ -266,6 +273,9 @@ class Attention(eqx.Module):
         b, t, _ = x.shape
         w = self.window
         positions = chunk.positions(t)
+        # In the block's layout: else the cache's, split along the batch, could reach the
+        # projections' inputs (`Policy.stationary_tokens`).
+        x = constrain_batch(x, self.policy)
         q, qr, kv = self.project(x, positions)
 
         # The ring holds position p in slot p % slots: the window before the chunk, oldest

@@ -229,13 +229,13 @@ class DeepseekV4(eqx.Module):
         chunk = Chunk(cache.positions, count)
         e = self.embed(input_ids)
         x = jnp.broadcast_to(e[:, :, None, :], (*e.shape[:2], self.config.hc_mult, e.shape[-1]))
-        x = constrain_batch(x)
+        x = constrain_batch(x, self.policy)
         new, stats, tapped = [], [], {}
         for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x, layer_cache, s, t = layer.step(
                 x, input_ids, chunk, layer_cache, remat=remat, in_place=in_place, taps=taps
             )
-            x = constrain_batch(x)
+            x = constrain_batch(x, self.policy)
             new.append(layer_cache)
             stats.append(s)
             tapped.update(t)

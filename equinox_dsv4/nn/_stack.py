@@ -116,7 +116,7 @@ class LayerStack(eqx.Module):
             new, stats = [], []
             for p, (block, cache) in enumerate(zip(blocks, caches, strict=True)):
                 x, cache, s = block.step(x, ids, chunk, cache)
-                x = constrain_batch(x)
+                x = constrain_batch(x, policy)
                 for i, (tp, tr) in enumerate(where):
                     if tp == p:
                         mean = jnp.mean(x.astype(jnp.float32), axis=-2).astype(x.dtype)

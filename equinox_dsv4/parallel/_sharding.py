@@ -24,7 +24,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .._typecheck import typechecked
-from ..execution import batch_axes
+from ..execution import EMBED_AXES, batch_axes
 from ..nn import KVCache, LayerStack
 from ..quant import LoraWeight, QuantizedWeight, factor_specs, is_weight
 
@@ -62,11 +62,14 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 # chip of an `expert` row would hold the same fsdp slice of each dense weight as its
 # neighbours. The dense weights are gathered layer by layer over `fsdp` already; splitting them
 # over `expert` too makes that gather's group larger, not its traffic per chip, and divides
-# their bytes per chip by `expert` (`benchmarks/results/tpu_memory.json`). Where nothing is
-# gathered over `fsdp` (e.g. a GPU node serving on `expert` alone), the dense weights stay
-# whole on each expert chip: splitting them would add a gather to every layer.
+# their bytes per chip by `expert` (`benchmarks/results/tpu_memory.json`). On TPUs they are
+# split over `expert` on any mesh that has it (a decode step there reads them in place,
+# `Policy.stationary_tokens`; QLoRA on `expert` alone needs the room,
+# `benchmarks/results/lora_fit.json`). Elsewhere, where nothing is gathered over `fsdp` (a GPU
+# node serving on `expert` alone), the dense weights stay whole on each chip: split, the
+# generic policy would gather them in every layer.
 FSDP_EXPERT_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "embed": ("fsdp", "expert"),
+    "embed": EMBED_AXES,  # as a decode step's activations are split (`constrain_batch`)
     "heads_x_dim": ("tensor", "expert"),
     "groups_x_rank": ("tensor", "expert"),
     "mlp": ("tensor", "expert"),
@@ -87,10 +90,12 @@ class ShardingRules:
     @classmethod
     def for_mesh(cls, mesh: Mesh | AbstractMesh) -> "ShardingRules":
         """The default placement on `mesh`: `DEFAULT_RULES`, and on a mesh with both `fsdp`
-        and `expert` axes (of more than one device each) the dense weights split over both
-        (`FSDP_EXPERT_RULES`). What `shard`, `named_shardings`, `ed.load` and
-        `convert.load_hf` use when given no rules."""
-        if mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("expert", 1) > 1:
+        and `expert` axes (of more than one device each), or a TPU mesh with `expert`, the
+        dense weights split over both (`FSDP_EXPERT_RULES`). What `shard`, `named_shardings`,
+        `ed.load` and `convert.load_hf` use when given no rules."""
+        if mesh.shape.get("expert", 1) > 1 and (
+            mesh.shape.get("fsdp", 1) > 1 or _platform(mesh) == "tpu"
+        ):
             return cls.of({**DEFAULT_RULES, **FSDP_EXPERT_RULES})
         return cls()
 
@@ -142,6 +147,14 @@ class ShardingRules:
                 f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
             )
         return PartitionSpec(*entries)
+
+
+def _platform(mesh: Mesh | AbstractMesh) -> str | None:
+    # The platform of a mesh's devices; an abstract mesh's where it names one.
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform
+    device = getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None)
 
 
 @typechecked
