@@ -115,10 +115,10 @@ def test_compile_command_for_gpus(tmp_path, gpu_mesh):
         assert row["needed_bytes"] == total - row["alias_bytes"] > 0, phase
         assert row["flops"] is None and row["mfu_estimate"] is None  # no FLOP count on GPUs
     # The train step's arguments: weights and Adam's two moments split over the devices
-    # (about 3 x weights / 4 per device here, as on the TPU: fsdp x expert's default splits
-    # the embedding and the head over all four).
+    # (about 3 x weights / 2 per device here: the GPUs' default rules split the embedding and
+    # the head over fsdp only).
     weights = report["parameter_bytes"]
-    assert 0.7 * weights < report["phases"]["train"]["argument_bytes"] < 0.9 * weights
+    assert 1.3 * weights < report["phases"]["train"]["argument_bytes"] < 1.7 * weights
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ CONFIG = tiny_config(
     o_groups=4,
     num_nextn_predict_layers=0,
 )
+FSDP_EXPERT = ed.parallel.FSDP_EXPERT_RULES
 MESHES = {
     "fsdp": dict(fsdp=8),
     "tensor": dict(tensor=8),
@@ -82,61 +83,46 @@ def test_sharded_model_equals_single_device(single, name):
 
 def test_specs_follow_the_rules():
     model = abstract(ed.DeepseekV4, CONFIG)
-    # fsdp and expert: the dense weights split over both by default (`FSDP_EXPERT_RULES`).
     mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
-    specs = ed.parallel.partition_specs(model, mesh)
+    specs = ed.parallel.partition_specs(model, mesh)  # CPU devices: DEFAULT_RULES
     (stack_specs,) = specs.layers
     stack = stack_specs.blocks[0]
-    # `w1`'s hidden units over tensor and fsdp, its `d_model` whole (see `expert_up`); an
-    # expert stack's `experts` dim keeps `expert`, so `w2`'s `embed` dim gets fsdp only.
+    # `w1`'s hidden units over tensor and fsdp, its `d_model` whole (see `expert_up`).
     assert stack.ffn.experts.w1 == P(None, "expert", ("tensor", "fsdp"), None)
     assert stack.ffn.experts.w2 == P(None, "expert", "fsdp", "tensor")
-    # No embed dim: the input over fsdp (q_lora_in), the heads over tensor and expert.
-    assert stack.attn.wq_b.weight == P(None, ("tensor", "expert"), "fsdp")
-    assert stack.attn.wq_a.weight == P(None, None, ("fsdp", "expert"))
-    assert stack.attn.wo_b.weight == P(None, ("fsdp", "expert"), "tensor")
-    assert stack.attn.wo_a.weight == P(None, ("tensor", "expert"), "fsdp")
-    assert stack.ffn.gate.weight == P(None, None, ("fsdp", "expert"))
-    assert specs.embed.weight == P(None, ("fsdp", "expert"))  # 97 rows: not divisible by 2
-    assert stack.attn_norm.weight == P(None, None)
-    # Nothing gathered over fsdp (its axis of size 1): the dense weights whole on each expert
-    # chip.
-    (stack_specs,) = ed.parallel.partition_specs(model, ed.make_mesh(tensor=2, expert=4)).layers
-    stack = stack_specs.blocks[0]
-    assert stack.attn.wq_a.weight == P(None, None, "fsdp")
+    assert stack.attn.wq_b.weight == P(None, "tensor", "fsdp")  # no embed dim: q_lora_in
     assert stack.attn.wo_b.weight == P(None, "fsdp", "tensor")
-    # Rules given override the mesh's default.
-    rules = ed.parallel.ShardingRules()
-    (stack_specs,) = ed.parallel.partition_specs(model, mesh, rules).layers
-    assert stack_specs.blocks[0].attn.wo_b.weight == P(None, "fsdp", "tensor")
-    assert ed.parallel.ShardingRules.for_mesh(mesh).changes() == ed.parallel.FSDP_EXPERT_RULES
+    assert stack.ffn.gate.weight == P(None, None, "fsdp")
+    assert specs.embed.weight == P(None, "fsdp")  # 97 rows: not divisible by 2
+    assert stack.attn_norm.weight == P(None, None)
+    assert ed.parallel.ShardingRules.for_mesh(mesh).changes() == {}
 
 
-def test_default_placement_is_near_the_perfect_split():
-    # V4-Flash with the release's FP8/FP4 weights on 64 chips, fsdp 8 x expert 8: each chip's
-    # bytes of weights by the default rules, against the whole divided by 64. 1.15x is the
-    # bound asked of the default (padding and the blocks of quantised weights that cannot
-    # split further account for the rest), which `DEFAULT_RULES` alone does not meet.
-    model = eqx.filter_eval_shape(
-        ed.DeepseekV4, ed.Config.v4_flash().trunk_only(), key=jax.random.key(0), dtype=jnp.bfloat16
-    )
-    model = ed.quant.abstract_quantized(model)
-    auto = (jax.sharding.AxisType.Auto,) * 4
-    mesh = jax.sharding.AbstractMesh((1, 8, 1, 8), ed.parallel.AXES, axis_types=auto)
-
-    def per_chip(rules):
-        specs = ed.parallel.partition_specs(model, mesh, rules)
-        leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        total = held = 0
-        for leaf, spec in zip(jax.tree.leaves(model), leaves, strict=True):
-            axes = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
-            size = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-            total += size
-            held += size / int(np.prod([mesh.shape[a] for a in axes]))
-        return held / (total / 64)
-
-    assert per_chip(None) <= 1.15
-    assert per_chip(ed.parallel.ShardingRules()) > 1.15
+def test_rules_with_several_mesh_axes():
+    # The TPUs' default (`FSDP_EXPERT_RULES`): dense weights over fsdp and expert; an expert
+    # stack's `experts` dim keeps `expert`, so `w2`'s `embed` dim gets fsdp only; a later dim
+    # gets what an earlier one left. Equal to one device.
+    rules = ed.parallel.ShardingRules.of({**ed.parallel.DEFAULT_RULES, **FSDP_EXPERT})
+    model = abstract(ed.DeepseekV4, CONFIG)
+    mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
+    specs = ed.parallel.partition_specs(model, mesh, rules)
+    block = specs.layers[0].blocks[0]
+    assert block.ffn.experts.w2 == P(None, "expert", "fsdp", "tensor")
+    assert block.attn.wq_a.weight == P(None, None, ("fsdp", "expert"))
+    assert block.attn.wq_b.weight == P(None, ("tensor", "expert"), "fsdp")
+    assert block.attn.wo_b.weight == P(None, ("fsdp", "expert"), "tensor")
+    assert block.attn.wo_a.weight == P(None, ("tensor", "expert"), "fsdp")
+    assert specs.embed.weight == P(None, ("fsdp", "expert"))
+    with jax.set_mesh(mesh):
+        sharded = ed.shard(random_fill(model, seed=3), mesh, rules)
+        single = random_fill(model, seed=3)
+        ids = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 12)))
+        np.testing.assert_allclose(
+            eqx.filter_jit(lambda m, i: m(i))(sharded, ids),
+            eqx.filter_jit(lambda m, i: m(i))(single, ids),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_rules_refuse_one_mesh_axis_twice():
@@ -369,7 +355,7 @@ def test_vocabulary_split_equals_single_device():
     expected = run(model)
     mesh = ed.make_mesh(fsdp=2, expert=4)
     both = ("fsdp", "expert")
-    rules = ed.parallel.ShardingRules.for_mesh(mesh).replace(vocab=both)
+    rules = ed.parallel.ShardingRules().replace(embed=both, vocab=both)
     sharded = ed.shard(model, mesh, rules)
     assert sharded.embed.weight.sharding.spec == P(both, None)
     assert sharded.head.weight.sharding.spec == P(both, None)

@@ -14,8 +14,8 @@ from ._policy import Policy
 
 
 BATCH_AXES = ("data", "fsdp")
-# The mesh axes that split the dense weights' `d_model` where the mesh has both (the default
-# placement, `parallel.FSDP_EXPERT_RULES`): a decode step's activations split the same way.
+# The mesh axes that split the dense weights' `d_model` by default on a TPU mesh
+# (`parallel.FSDP_EXPERT_RULES`): a decode step's activations split the same way.
 EMBED_AXES = ("fsdp", "expert")
 
 
@@ -48,8 +48,8 @@ def constrain_batch(x: Array, policy: Policy | None = None) -> Array:
     """The layout of activations `x` (`[batch, chunk, ..., d_model]`) at block boundaries:
     split along the batch over the batch mesh axes, the rest replicated. A chunk of at most
     `policy.stationary_tokens` tokens in all (a decode step) is split along `d_model` over
-    `EMBED_AXES` instead, as the dense weights' `d_model` is (the default placement on a mesh
-    with `fsdp` and `expert`): each device then multiplies its slice of every dense weight,
+    `EMBED_AXES` instead, as the dense weights' `d_model` is (the default placement on a TPU
+    mesh with `expert`): each device then multiplies its slice of every dense weight,
     and the products' partial sums and the activations travel, where split along the batch
     every device would gather every dense weight whole. A chunk of at least
     `policy.split_chunks` tokens per sequence is split along the sequence over `expert` too. A

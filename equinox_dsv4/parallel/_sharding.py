@@ -58,16 +58,14 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-# On a mesh that splits the weights over `fsdp` and the routed experts over `expert`, every
-# chip of an `expert` row would hold the same fsdp slice of each dense weight as its
-# neighbours. The dense weights are gathered layer by layer over `fsdp` already; splitting them
-# over `expert` too makes that gather's group larger, not its traffic per chip, and divides
-# their bytes per chip by `expert` (`benchmarks/results/tpu_memory.json`). On TPUs they are
-# split over `expert` on any mesh that has it (a decode step there reads them in place,
-# `Policy.stationary_tokens`; QLoRA on `expert` alone needs the room,
-# `benchmarks/results/lora_fit.json`). Elsewhere, where nothing is gathered over `fsdp` (a GPU
-# node serving on `expert` alone), the dense weights stay whole on each chip: split, the
-# generic policy would gather them in every layer.
+# On a TPU mesh that splits the routed experts over `expert`, every chip of an `expert` row
+# would hold the same slice of each dense weight as its neighbours. Split over `expert` too,
+# their bytes per chip divide by `expert` (`benchmarks/results/tpu_memory.json`): with `fsdp`
+# they are gathered layer by layer already, and the gather's group grows, not its traffic per
+# chip; a decode step reads them in place (`Policy.stationary_tokens`); QLoRA on `expert`
+# alone needs the room (`benchmarks/results/lora_fit.json`). Other platforms keep
+# `DEFAULT_RULES` until measured: a GPU node serving on `expert` alone keeps its dense weights
+# whole, where the generic policy would gather split ones in every layer.
 FSDP_EXPERT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": EMBED_AXES,  # as a decode step's activations are split (`constrain_batch`)
     "heads_x_dim": ("tensor", "expert"),
@@ -89,13 +87,11 @@ class ShardingRules:
 
     @classmethod
     def for_mesh(cls, mesh: Mesh | AbstractMesh) -> "ShardingRules":
-        """The default placement on `mesh`: `DEFAULT_RULES`, and on a mesh with both `fsdp`
-        and `expert` axes (of more than one device each), or a TPU mesh with `expert`, the
-        dense weights split over both (`FSDP_EXPERT_RULES`). What `shard`, `named_shardings`,
+        """The default placement on `mesh`: `DEFAULT_RULES`, and on a TPU mesh with an
+        `expert` axis (of more than one device) the dense weights split over `fsdp` and
+        `expert` (`FSDP_EXPERT_RULES`). What `shard`, `named_shardings`,
         `ed.load` and `convert.load_hf` use when given no rules."""
-        if mesh.shape.get("expert", 1) > 1 and (
-            mesh.shape.get("fsdp", 1) > 1 or _platform(mesh) == "tpu"
-        ):
+        if mesh.shape.get("expert", 1) > 1 and _platform(mesh) == "tpu":
             return cls.of({**DEFAULT_RULES, **FSDP_EXPERT_RULES})
         return cls()
 
