@@ -241,3 +241,17 @@ def test_an_absent_coordinator_is_an_error(tmp_path):
     assert finished.returncode == 1, finished.stderr
     assert "error: process 1 of 2 could not join the coordinator at 127.0.0.1:" in finished.stderr
     assert finished.seconds < 60
+
+
+def test_replace_directory_keeps_the_old_one_until_the_new_is_in_place(tmp_path):
+    # The primary's last step of `save_train_state` and `lora.save`: a new directory at `path`,
+    # the old one gone, nothing left beside them; with no old one, the new one is moved there.
+    path, new = tmp_path / "state", tmp_path / ".state.tmp"
+    new.mkdir()
+    (new / "file").write_text("first")
+    ed.parallel.replace_directory(new, path)
+    new.mkdir()
+    (new / "file").write_text("second")
+    ed.parallel.replace_directory(new, path)
+    assert (path / "file").read_text() == "second"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]

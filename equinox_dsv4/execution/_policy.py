@@ -100,8 +100,14 @@ class Policy:
     def __post_init__(self):
         if self.experts not in ("loop", "ragged"):
             raise ValueError(f"Policy.experts must be 'loop' or 'ragged', got {self.experts!r}")
-        counts = ("few_writes", "few_tokens", "stationary_rows", "stationary_tokens")
-        for name in (*counts, "split_chunks"):
+        counts = (
+            "few_writes",
+            "few_tokens",
+            "stationary_rows",
+            "stationary_tokens",
+            "split_chunks",
+        )
+        for name in counts:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"Policy.{name} must be an int, got {value!r}")

@@ -41,7 +41,7 @@ from safetensors.numpy import load_file, save_file
 
 from .._typecheck import typechecked
 from ..ckpt import canonical_pieces, canonical_to_path
-from ..parallel import barrier, is_primary
+from ..parallel import barrier, is_primary, replace_directory
 from ..quant import LoraWeight, factors_only, has_adapters, is_weight
 from ._adapters import DRAFT, base, factor_shardings
 
@@ -230,14 +230,7 @@ def save(model: eqx.Module, path: str | os.PathLike, *, peft_only: bool = False)
         if extra_tensors:
             save_file({k: np.ascontiguousarray(v) for k, v in extra_tensors.items()}, tmp / EXTRA)
             (tmp / EXTRA_CONFIG).write_text(json.dumps({"scales": extra_scales}, indent=2) + "\n")
-        if path.exists():  # the previous adapter stays whole until the new one is in place
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        replace_directory(tmp, path)  # the previous adapter stays whole until then
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

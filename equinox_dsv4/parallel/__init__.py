@@ -13,6 +13,7 @@ from ._distributed import (
     initialize as initialize,
     initialize_from_args as initialize_from_args,
     is_primary as is_primary,
+    replace_directory as replace_directory,
     shared_token as shared_token,
 )
 from ._mesh import (
@@ -55,5 +56,6 @@ __all__ = [
     "add_distributed_arguments",
     "is_primary",
     "barrier",
+    "replace_directory",
     "shared_token",
 ]

@@ -9,7 +9,9 @@ done by the primary process (index 0), between barriers.
 
 import argparse
 import os
+import pathlib
 import secrets
+import shutil
 import socket
 import time
 from collections.abc import Sequence
@@ -128,6 +130,20 @@ def shared_token() -> str:
     if jax.process_count() > 1:
         token = multihost_utils.broadcast_one_to_all(token)
     return f"{int(np.asarray(token)[0]):08x}"
+
+
+@typechecked
+def replace_directory(tmp: pathlib.Path, path: pathlib.Path) -> None:
+    """Put the finished directory `tmp` at `path` (the primary's last step of a save). An
+    existing `path` stays whole until `tmp` is in place: it is renamed aside, then removed."""
+    if not path.exists():
+        tmp.rename(path)
+        return
+    old = path.with_name(f".{path.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old)
 
 
 @typechecked

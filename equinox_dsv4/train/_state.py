@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 
 from .._typecheck import typechecked
-from ..parallel import barrier, is_primary, shared_token
+from ..parallel import barrier, is_primary, replace_directory, shared_token
 from ._losses import TrainState
 
 
@@ -49,14 +49,7 @@ def save_train_state(path: str | os.PathLike, state: TrainState, *, data_positio
         barrier(f"equinox_dsv4-state-written-{tmp}")
         if is_primary():
             (tmp / "train_state.json").write_text(json.dumps(meta) + "\n")
-            if path.exists():
-                old = path.with_name(f".{path.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                path.rename(old)
-                tmp.rename(path)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(path)
+            replace_directory(tmp, path)
         barrier(f"equinox_dsv4-state-published-{path}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
