@@ -14,7 +14,9 @@ layer of the architecture (lower ones never import higher ones):
 - `inference`: sampling, prefill and decode steps, generation, speculative decoding;
 - `train`: losses, optimizer, train step and state;
 - `lora`: low-rank adapters (LoRA / QLoRA), merged or saved in PEFT's layout;
-- `compile` (a tool, not imported here): `python -m equinox_dsv4.compile`.
+- `compile` (a tool, not imported here): `python -m equinox_dsv4.compile`;
+- `serve` (the `serve` extra, not imported here): the OpenAI-compatible server with continuous
+  batching that `examples/serve.py` runs.
 """
 
 from . import (

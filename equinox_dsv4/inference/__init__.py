@@ -19,7 +19,9 @@ from ._sampling import (
     Sampling as Sampling,
     accept_drafts as accept_drafts,
     filtered_logits as filtered_logits,
+    filtered_rows as filtered_rows,
     sample as sample,
+    sample_rows as sample_rows,
 )
 from ._sizes import cache_bytes as cache_bytes, cache_bytes_per_token as cache_bytes_per_token
 
@@ -36,6 +38,8 @@ __all__ = [
     "Sampling",
     "sample",
     "filtered_logits",
+    "sample_rows",
+    "filtered_rows",
     "accept_drafts",
     "cache_bytes",
     "cache_bytes_per_token",

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from .._typecheck import typechecked
 from ..execution import Policy, argmax
@@ -83,6 +83,67 @@ def sample(
         return argmax(logits, policy)
     logits = filtered_logits(logits, sampling)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@typechecked
+def filtered_rows(
+    logits: Float[Array, "batch vocab"],
+    temperature: Float[Array, " batch"],
+    top_k: Int[Array, " batch"],
+    top_p: Float[Array, " batch"],
+) -> Float[Array, "batch vocab"]:
+    """`filtered_logits` with each row's own sampling (a server's batch holds requests with
+    different ones): row `b` equals `filtered_logits(logits[b], Sampling(temperature[b],
+    top_k[b], top_p[b]))` where `temperature[b] > 0`; a greedy row's is unspecified."""
+    scale = jnp.where(temperature > 0, temperature, 1.0)
+    logits = logits.astype(jnp.float32) / scale[:, None]
+    vocab = logits.shape[-1]
+
+    def top_k_filter(logits):
+        ranked = -jnp.sort(-logits, axis=-1)
+        kth = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, vocab - 1)[:, None], axis=-1)
+        kth = jnp.where(((top_k > 0) & (top_k < vocab))[:, None], kth, -jnp.inf)
+        return jnp.where(logits < kth, -jnp.inf, logits)
+
+    def top_p_filter(logits):
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        # top_p == 1 keeps every token, as `filtered_logits` skips the filter (the mass before
+        # the last tokens can round to 1).
+        keep_sorted = (before < top_p[:, None]) | (top_p >= 1)[:, None]
+        keep = jnp.put_along_axis(
+            jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False
+        )
+        return jnp.where(keep, logits, -jnp.inf)
+
+    # The sorts over the vocabulary only when a row asks for a filter.
+    any_k = jnp.any((top_k > 0) & (top_k < vocab))
+    logits = jax.lax.cond(any_k, top_k_filter, lambda x: x, logits)
+    return jax.lax.cond(jnp.any(top_p < 1), top_p_filter, lambda x: x, logits)
+
+
+@typechecked
+def sample_rows(
+    logits: Float[Array, "batch vocab"],
+    keys: Key[Array, " batch"],
+    temperature: Float[Array, " batch"],
+    top_k: Int[Array, " batch"],
+    top_p: Float[Array, " batch"],
+    *,
+    policy: Policy | None = None,
+) -> Int[Array, " batch"]:
+    """One token per row, each row with its own sampling (`filtered_rows`) and its own PRNG
+    key (`keys[b]`): greedy where `temperature[b] == 0`, as `sample` is."""
+    greedy = argmax(logits, policy)
+
+    def draw():
+        filtered = filtered_rows(logits, temperature, top_k, top_p)
+        drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    # A batch of greedy rows draws nothing.
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
 @typechecked

@@ -212,3 +212,27 @@ class KVCache(eqx.Module):
     def at_positions(self, positions: Int[Array, " batch"]) -> "KVCache":
         """This cache with `positions` set (unchecked; see `rewind`)."""
         return eqx.tree_at(lambda c: c.positions, self, positions)
+
+    @typechecked
+    def take_rows(self, rows: Int[Array, " n"]) -> "KVCache":
+        """The cache of sequences `rows` alone, a batch of `n` (for a step that runs on a few
+        rows of a larger cache; `put_rows` writes them back)."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, a: jnp.take(a, rows, axis=_batch_axis(path)), self
+        )
+
+    @typechecked
+    def put_rows(self, rows: Int[Array, " n"], part: "KVCache") -> "KVCache":
+        """This cache with sequences `rows` replaced by `part`'s (as `take_rows` took them;
+        `rows` distinct)."""
+
+        def put(path, a, b):
+            index = (slice(None),) * _batch_axis(path) + (rows,)
+            return a.at[index].set(b, unique_indices=True)
+
+        return jax.tree_util.tree_map_with_path(put, self, part)
+
+
+def _batch_axis(path) -> int:
+    # Under `.layers` every array has a leading layer axis (a stack's, or a stack of one).
+    return 1 if path[0] == jax.tree_util.GetAttrKey("layers") else 0

@@ -21,7 +21,13 @@ from ._chat import (
     USER as USER,
     chat_prompt as chat_prompt,
 )
-from ._reply import parse_reply as parse_reply
+from ._reply import (
+    CALLS_CLOSE as CALLS_CLOSE,
+    CALLS_OPEN as CALLS_OPEN,
+    INVOKE_CLOSE as INVOKE_CLOSE,
+    parse_invoke as parse_invoke,
+    parse_reply as parse_reply,
+)
 from ._tokenizer import (
     decode_text as decode_text,
     encode_text as encode_text,
@@ -32,6 +38,7 @@ from ._tokenizer import (
 __all__ = [
     "chat_prompt",
     "parse_reply",
+    "parse_invoke",
     "encode_text",
     "decode_text",
     "load_tokenizer",
@@ -43,6 +50,9 @@ __all__ = [
     "END_THINK",
     "DSML",
     "MARKERS",
+    "CALLS_OPEN",
+    "CALLS_CLOSE",
+    "INVOKE_CLOSE",
     "ROLES",
     "REASONING_EFFORTS",
     "REASONING_EFFORTS_0731",

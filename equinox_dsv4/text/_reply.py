@@ -95,6 +95,22 @@ def _tool_calls(reader: _Reader) -> tuple[list[dict[str, Any]], str | None]:
 
 
 @typechecked
+def parse_invoke(text: str) -> dict[str, Any]:
+    """One tool call of a reply's DSML block, from `<｜DSML｜invoke` through
+    `</｜DSML｜invoke>`, as `parse_reply` reads it (for a reply read as it is generated).
+
+    **Returns:** `{"type": "function", "function": {"name": ..., "arguments": <JSON string>}}`.
+
+    **Raises:** `ValueError` for what the release's parser refuses."""
+    if not text.startswith(INVOKE) or not text.endswith(INVOKE_CLOSE + ">"):
+        raise ValueError(f"not one DSML invoke block: {text[:60]!r}")
+    calls, stop = _tool_calls(_Reader(">\n" + text + "\n" + CALLS_CLOSE))
+    if len(calls) != 1 or stop != CALLS_CLOSE:
+        raise ValueError(f"not one DSML invoke block: {text[:60]!r}")
+    return calls[0]
+
+
+@typechecked
 def parse_reply(text: str, *, thinking: bool = False) -> dict[str, Any]:
     """Split a reply into reasoning, content and tool calls, as the release's parser does.
 

@@ -1,0 +1,375 @@
+"""Continuous batching: a fixed number of cache rows ("slots") shared by requests that come and
+go, one jitted step at a time.
+
+A request takes a free row; its prompt runs into that row in chunks of `chunk` tokens, between
+decode steps of the rows already generating; each decode step appends one token to every
+generating row and samples the next with that row's own sampling and PRNG stream. A finished
+or cancelled row is free at once: the next request's first chunk sets the row's position back
+to 0, and the positional cache ignores whatever the row held beyond it. Every step has the
+same shapes (`[slots, chunk]`, `[slots, 1]`), so nothing compiles after the first step of each
+kind, whatever the mix of prompts.
+
+The engine runs its loop in a thread of its own; a request's tokens reach its owner through
+the request's `on_token` / `on_finish` callbacks, called from that thread.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Float, Int
+
+from ..execution import Policy, with_policy
+from ..inference import sample_rows
+from ..nn import DeepseekV4, KVCache
+from ..parallel import committed, shard_cache
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is at its bound: try again later."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation: `ids` (the prompt), at most `max_new_tokens` new tokens, stopping at any of
+    `stop_tokens` (not passed on), sampled with `temperature` (0: greedy), `top_k` (0: all),
+    `top_p` from the PRNG stream of `seed`.
+
+    The engine calls `on_token(id)` for each new token and then `on_finish(reason)` once:
+    `"stop"` (a stop token), `"length"` (`max_new_tokens`, or the row's cache is full) or
+    `"cancelled"`."""
+
+    ids: Sequence[int]
+    max_new_tokens: int
+    on_token: Callable[[int], None]
+    on_finish: Callable[[str], None]
+    stop_tokens: frozenset[int] = frozenset()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    # Set by the engine.
+    slot: int | None = None
+    prefilled: int = 0
+    produced: int = 0
+    pending: int | None = None
+    cancelled: bool = False
+    finished: bool = False
+
+    def finish(self, reason: str) -> None:
+        """`on_finish(reason)`, once."""
+        if not self.finished:
+            self.finished = True
+            self.on_finish(reason)
+
+
+class Engine:
+    """Continuous batching over `slots` rows of one cache of `max_len` tokens per row.
+
+    **Arguments:**
+
+    - `model`: the model (on one device, or sharded: the cache is placed on its mesh).
+    - `slots`: rows generating at once.
+    - `max_len`: tokens per row: prompt plus generated.
+    - `chunk`: prompt tokens per prefill step.
+    - `prefill_rows`: rows a prefill step runs at most (the others wait for the next one): a
+      step computes `prefill_rows x chunk` tokens however many rows are reading.
+    - `max_waiting`: requests waiting for a row beyond which `submit` raises `QueueFull`.
+
+    `start()` runs the loop in a thread; `submit(request)` queues a request; `cancel(request)`
+    frees its row within one step; `stop()` cancels everything and ends the thread.
+    """
+
+    def __init__(
+        self,
+        model: DeepseekV4,
+        *,
+        slots: int = 8,
+        max_len: int = 4096,
+        chunk: int = 256,
+        prefill_rows: int = 4,
+        max_waiting: int = 64,
+    ):
+        checked = (("slots", slots), ("max_len", max_len), ("chunk", chunk))
+        for name, value in checked + (("prefill_rows", prefill_rows),):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
+        sharding = getattr(model.embed.weight, "sharding", None)
+        self.mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+        self.model = model if self.mesh is not None else committed(model)
+        self.policy = model.resolved_policy()
+        self.slots, self.max_len, self.chunk, self.max_waiting = slots, max_len, chunk, max_waiting
+        self.lanes = min(prefill_rows, slots)
+        cache = model.init_cache(slots, max_len)
+        self.cache = cache if self.mesh is None else shard_cache(cache, self.mesh)
+        self.rows: list[Request | None] = [None] * slots
+        self.waiting: deque[Request] = deque()
+        self.lock = threading.Condition()
+        self.running = False
+        self.thread: threading.Thread | None = None
+        # Steps run, and tokens produced, for the health report and the benchmark.
+        self.counts = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0}
+        self.error: BaseException | None = None
+        self.warm = False
+
+    # -- the owner's side ---------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        """Queue `request` for the next free row. Raises `ValueError` for a prompt that leaves
+        no room in a row, `QueueFull` when `max_waiting` requests already wait."""
+        if not request.ids:
+            raise ValueError("the prompt is empty")
+        if len(request.ids) >= self.max_len:
+            raise ValueError(
+                f"the prompt has {len(request.ids)} tokens; this server's rows hold "
+                f"{self.max_len} (--max-len), prompt and reply together"
+            )
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        with self.lock:
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error!r}")
+            # Waiting beyond the free rows (which the loop fills next) is bounded.
+            if len(self.waiting) >= self.max_waiting + self.rows.count(None):
+                raise QueueFull(f"{self.slots} requests running and {len(self.waiting)} waiting")
+            self.waiting.append(request)
+            self.lock.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Stop `request` (its row is freed within one step; `on_finish("cancelled")` follows
+        unless it had finished)."""
+        with self.lock:
+            request.cancelled = True
+            self.lock.notify()
+
+    def health(self) -> dict[str, int]:
+        with self.lock:
+            busy = sum(r is not None for r in self.rows)
+            return {
+                "slots": self.slots,
+                "busy": busy,
+                "free": self.slots - busy,
+                "waiting": len(self.waiting),
+                **self.counts,
+            }
+
+    def start(self) -> "Engine":
+        """Compile both steps (so that the first request waits for no compilation), then run the
+        loop in a daemon thread."""
+        if not self.warm:
+            self.warm_up()
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="equinox_dsv4-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Cancel every request and end the loop's thread."""
+        with self.lock:
+            self.running = False
+            for r in [*self.waiting, *self.rows]:
+                if r is not None:
+                    r.cancelled = True
+            self.lock.notify()
+        if self.thread is not None:
+            self.thread.join()
+        for r in [*self.waiting, *self.rows]:
+            if r is not None:
+                r.finish("cancelled")
+        self.waiting.clear()
+        self.rows = [None] * self.slots
+
+    def warm_up(self) -> None:
+        """Run a prefill step and a decode step that touch no row (every count 0)."""
+        zeros = np.zeros(self.lanes, np.int32)
+        ids = np.zeros((self.lanes, self.chunk), np.int32)
+        self._prefill(ids, zeros, zeros, np.arange(self.lanes, dtype=np.int32))
+        self._decode(np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32))
+        self.warm = True
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+                while True:
+                    with self.lock:
+                        self._admit()
+                        if not self.running:
+                            return
+                        if all(r is None for r in self.rows):
+                            self.lock.wait(timeout=0.5)
+                            continue
+                    self._iterate()
+        except BaseException as e:  # the owner sees it in `health`/`submit`; rows are told
+            with self.lock:
+                self.error = e
+                failed = [r for r in [*self.waiting, *self.rows] if r is not None]
+                self.waiting.clear()
+                self.rows = [None] * self.slots
+            for r in failed:
+                r.finish("error")
+            raise
+
+    def _admit(self) -> None:
+        # Under the lock: cancelled requests out, waiting ones into free rows.
+        for slot, r in enumerate(self.rows):
+            if r is not None and r.cancelled:
+                self.rows[slot] = None
+                r.finish("cancelled")
+        while self.waiting and None in self.rows:
+            r = self.waiting.popleft()
+            if r.cancelled:
+                r.finish("cancelled")
+                continue
+            r.slot = self.rows.index(None)
+            self.rows[r.slot] = r
+
+    def _iterate(self) -> None:
+        # One prefill step when a row is still reading its prompt, then one decode step for the
+        # rows generating.
+        rows = list(self.rows)
+        reading = [r for r in rows if r is not None and r.pending is None][: self.lanes]
+        if reading:
+            ids = np.zeros((self.lanes, self.chunk), np.int32)
+            counts = np.zeros(self.lanes, np.int32)
+            fresh = np.zeros(self.lanes, np.int32)
+            # The reading rows' lanes first; the others hold distinct rows left as they are.
+            used = [r.slot for r in reading]
+            index = used + [s for s in range(self.slots) if s not in used]
+            index = np.asarray(index[: self.lanes], np.int32)
+            for lane, r in enumerate(reading):
+                part = r.ids[r.prefilled : r.prefilled + self.chunk]
+                ids[lane, : len(part)] = part
+                counts[lane] = len(part)
+                fresh[lane] = r.prefilled == 0
+            first = self._prefill(ids, counts, fresh, index)
+            for lane, r in enumerate(reading):
+                r.prefilled += int(counts[lane])
+                if r.prefilled == len(r.ids):
+                    self._take(r, int(first[lane]))
+        generating = [r for r in self.rows if r is not None and r.pending is not None]
+        if generating:
+            pending = np.zeros(self.slots, np.int32)
+            active = np.zeros(self.slots, np.int32)
+            for r in generating:
+                pending[r.slot], active[r.slot] = r.pending, 1
+            tokens = self._decode(pending, active)
+            for r in generating:
+                self._take(r, int(tokens[r.slot]))
+
+    def _take(self, r: Request, token: int) -> None:
+        # A new token for `r`: passed on, or the end of `r` (its row freed).
+        self.counts["tokens"] += 1
+        reason = None
+        if r.cancelled:
+            reason = "cancelled"
+        elif token in r.stop_tokens:
+            reason = "stop"
+        else:
+            r.produced += 1
+            r.on_token(token)
+            # The token is appended to the cache by the next step: room for it is needed.
+            if r.produced >= r.max_new_tokens or len(r.ids) + r.produced >= self.max_len:
+                reason = "length"
+        if reason is None:
+            r.pending = token
+            return
+        with self.lock:
+            self.rows[r.slot] = None
+        r.finish(reason)
+
+    def _sampling(self) -> tuple[np.ndarray, ...]:
+        # Each row's sampling, and its PRNG stream's position (its request's seed, and the
+        # number of tokens it has drawn: a request draws the same tokens in any row and beside
+        # any others).
+        temperature = np.zeros(self.slots, np.float32)
+        top_k = np.zeros(self.slots, np.int32)
+        top_p = np.ones(self.slots, np.float32)
+        seeds = np.zeros((self.slots, 2), np.int32)
+        for r in self.rows:
+            if r is not None:
+                temperature[r.slot], top_k[r.slot], top_p[r.slot] = r.temperature, r.top_k, r.top_p
+                seeds[r.slot] = (r.seed % 2**31, r.produced)
+        return temperature, top_k, top_p, seeds
+
+    def _prefill(
+        self, ids: np.ndarray, counts: np.ndarray, fresh: np.ndarray, index: np.ndarray
+    ) -> np.ndarray:
+        self.counts["prefill_steps"] += 1
+        sampling = [a[index] for a in self._sampling()]
+        token, self.cache = _prefill_step(
+            self.model, self.policy, ids, counts, fresh, index, self.cache, *sampling
+        )
+        return np.asarray(token)
+
+    def _decode(self, pending: np.ndarray, active: np.ndarray) -> np.ndarray:
+        self.counts["decode_steps"] += 1
+        token, self.cache = _decode_step(
+            self.model, self.policy, pending, active, self.cache, *self._sampling()
+        )
+        return np.asarray(token)
+
+
+# How many times each step has been traced (a test bounds them: no compilation per request).
+TRACES = {"prefill": 0, "decode": 0}
+
+
+def _keys(seeds: Int[Array, "batch 2"]) -> Array:
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _prefill_step(
+    model: DeepseekV4,
+    policy: Policy,
+    ids: Int[Array, "lanes chunk"],
+    counts: Int[Array, " lanes"],
+    fresh: Int[Array, " lanes"],
+    index: Int[Array, " lanes"],
+    cache: KVCache,
+    temperature: Float[Array, " lanes"],
+    top_k: Int[Array, " lanes"],
+    top_p: Float[Array, " lanes"],
+    seeds: Int[Array, "lanes 2"],
+) -> tuple[Int[Array, " lanes"], KVCache]:
+    # The next chunk of the rows in the lanes (row `index[i]`: `counts[i]` tokens; 0 leaves it
+    # as it is), a row starting a new prompt first set back to position 0; the token sampled
+    # after each lane's last position in its chunk. Only the lanes' rows are computed.
+    TRACES["prefill"] += 1
+    model = with_policy(model, policy)
+    part = cache.take_rows(index)
+    part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
+    logits, part = model.decode_inline(ids, part, counts, last_only=True, checked=False)
+    keys = _keys(seeds)
+    token = sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy)
+    return token, cache.put_rows(index, part)
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _decode_step(
+    model: DeepseekV4,
+    policy: Policy,
+    pending: Int[Array, " batch"],
+    active: Int[Array, " batch"],
+    cache: KVCache,
+    temperature: Float[Array, " batch"],
+    top_k: Int[Array, " batch"],
+    top_p: Float[Array, " batch"],
+    seeds: Int[Array, "batch 2"],
+) -> tuple[Int[Array, " batch"], KVCache]:
+    # Each active row's pending token appended; the next one sampled.
+    TRACES["decode"] += 1
+    model = with_policy(model, policy)
+    logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=False)
+    keys = _keys(seeds)
+    return sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy), cache
