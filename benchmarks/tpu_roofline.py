@@ -1,5 +1,6 @@
-"""A TPU roofline without a TPU: V4-Flash's prefill and decode step on a v5p slice, estimated
-from the TPU compiler's cost analysis and set beside a floor from first principles.
+"""A TPU roofline without a TPU: V4-Flash's (and V4-Pro's) prefill and decode step on a v5p
+slice, estimated from the TPU compiler's cost analysis and set beside a floor from first
+principles.
 
 Each run is `python -m equinox_dsv4.compile --topology v5p:4x4x4 --unrolled ...` (libtpu's
 compiler, no TPU): 64 chips, fsdp 8 x expert 8, the default rules and the TPU's execution
@@ -110,11 +111,13 @@ RUNS = {
         "v4-flash", False, ("decode",), batch=1, max_len=1 << 20, label=", 1M cache"
     ),
     "flash-q-64": Run("v4-flash", True, ("prefill", "decode")),
+    # V4-Pro on the same slice and mesh (issue 46, point 7).
+    "pro-b-64": Run("v4-pro", False, ("prefill", "decode")),
 }
 # What a run without `--only` compiles (`flash-q-64` on request).
 DEFAULT_RUNS = ("flash-b-64", "flash-b-64-before", "flash-b-64-batch-64")
 DEFAULT_RUNS += ("flash-b-64-batch-64-before",)
-DEFAULT_RUNS += ("flash-b-64-1m", "flash-b-64-1m-batch-1")
+DEFAULT_RUNS += ("flash-b-64-1m", "flash-b-64-1m-batch-1", "pro-b-64")
 
 
 def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None = None) -> dict:
