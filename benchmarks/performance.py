@@ -618,6 +618,31 @@ def _batched_decode(data: dict) -> str:
     return intro + markdown(header, lines)
 
 
+def _serve(data: dict) -> str:
+    lines = [
+        [
+            r["clients"],
+            r["requests"],
+            f"{r['served']['requests_per_s']:.2f}",
+            f"{r['generate']['requests_per_s']:.2f}",
+            f"{r['requests_per_s_ratio']:.2f}x",
+            f"{1e3 * r['served']['median_first_token_s']:.0f}",
+            f"{1e3 * r['generate']['median_first_token_s']:.0f}",
+            f"{r['first_token_ratio']:.2f}x",
+        ]
+        for r in data["rows"]
+    ]
+    header = ["clients", "requests", "server req/s", "generate req/s", "server / generate"]
+    header += ["server first token ms", "generate first token ms", "generate / server"]
+    new = data["rows"][0]["new_tokens"] if data["rows"] else "?"
+    intro = (
+        f"The {data.get('config', '?')} config, {data.get('layers', '?')} layers, float32; "
+        f"replies of {new[0]} to {new[1]} greedy tokens (`generate`: each batch its longest); "
+        "first token: the median over requests.\n\n"
+    )
+    return intro + markdown(header, lines)
+
+
 def _prefill_profile(data: dict) -> str:
     out = []
     for r in data["rows"]:
@@ -1038,6 +1063,14 @@ SECTIONS: dict[str, Section] = {
         "Tokens/s at each batch against transformers, and against a floor: the weights at the "
         "head's rate with the routed experts the batch touches, plus each row's cache reads.",
         _batched_decode,
+    ),
+    "serve": Section(
+        "Serving: continuous batching against batched generate",
+        "serve.py",
+        "Requests per second and time to the first token with N clients at once: the server "
+        "over HTTP (as many slots as clients) against `ed.generate` on the same prompts in "
+        "batches of N, in one run.",
+        _serve,
     ),
     "prefill_profile": Section(
         "bfloat16 prefill against the matmul rate",

@@ -22,8 +22,16 @@ README = ROOT / "README.md"
 HF_DIR = "DeepSeek-V4-Flash"
 
 
-def python_blocks(text: str) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+# The first line of the blocks that talk to a running examples/serve.py: tests/test_serve.py
+# runs them against its server.
+SERVER_BLOCK = "# With examples/serve.py running"
+
+
+def python_blocks(text: str, *, server: bool = False) -> list[str]:
+    """The README's Python blocks, in order: those that need no server, or (`server`) those
+    that talk to one."""
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    return [b for b in blocks if b.startswith(SERVER_BLOCK) == server]
 
 
 @pytest.fixture(scope="module")

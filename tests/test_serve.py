@@ -25,6 +25,7 @@ import openai
 import pytest
 import uvicorn
 from helpers import PYTHONPATH, ROOT
+from test_readme import README, python_blocks
 
 import equinox_dsv4 as ed
 from equinox_dsv4 import serve
@@ -186,8 +187,9 @@ def test_concurrent_clients_get_what_generate_gives_alone(real, model):
     # tokens for its prompt alone (greedy), and no step compiles again.
     url, engine = real
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, 1000, n).tolist() for n in rng.integers(3, 60, 16)]
-    limits = rng.integers(1, 12, 16).tolist()
+    # Up to 29 tokens (two chunks) and 12 new ones: `generate` compiles one shape for all.
+    prompts = [rng.integers(1, 1000, n).tolist() for n in rng.integers(3, 30, 16)]
+    limits = rng.integers(1, 13, 16).tolist()
     traces = dict(serve.TRACES)
     answers = [None] * 16
 
@@ -257,6 +259,18 @@ def test_tool_calls_parse_whole_and_streamed():
     third = ed.decode_text(engine.prompts[2], skip_special_tokens=False)
     assert third.endswith("<tool_result>-3°C</tool_result><｜Assistant｜><think>")
     assert '<｜DSML｜invoke name="get_weather">' in third
+
+
+def test_the_readme_client_block_runs_as_written():
+    # The README's `openai` block, against a server on the address it names (its port
+    # changed to the test server's), the scripted engine replying with a tool call.
+    (block,) = python_blocks(README.read_text(), server=True)
+    printed = []
+    namespace = {"weather": WEATHER, "print": lambda *a: printed.append(" ".join(map(str, a)))}
+    with serving(Scripted(CALL_TEXT)) as url:
+        exec(block.replace("http://127.0.0.1:8000", url), namespace)
+    printed = "\n".join(printed)
+    assert "The user wants the weather." in printed and "get_weather" in printed
 
 
 def test_a_reply_cut_inside_a_tool_call_keeps_its_text():
@@ -341,13 +355,23 @@ BAD = [
     ({"messages": USER, "tool_choice": "required"}, "'tool_choice'", "tool_choice"),
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "'stop'", "stop"),
     ({"messages": []}, "non-empty", "messages"),
+    ({"messages": USER, "top_p": float("nan")}, "'top_p' must be in", "top_p"),
+    ({"messages": USER, "temperature": 10**400}, "'temperature' is out of range", "temperature"),
+    (
+        {"messages": USER + [{"role": "tool", "tool_call_id": ["c1"], "content": "r"}]},
+        "answers no tool call",
+        "messages[1].tool_call_id",
+    ),
+    ({"prompt": [5, 10**9]}, "token id 1000000000 is not in the model's vocabulary", "prompt"),
+    ({"prompt": {"text": "x"}}, "'prompt' must be", "prompt"),
 ]
 
 
 @pytest.mark.parametrize("body,message,param", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_is_an_openai_error_and_the_server_goes_on(real, body, message, param):
     url, _ = real
-    response = _post(url, body)
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else None
+    response = _post(url, body, *([path] if path else []))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -448,6 +472,62 @@ def test_the_script_serves_and_stops_on_sigterm():
             proc.communicate()
     assert "RANDOM weights" in stderr and re.search(r"serving equinox-dsv4-tiny on", stderr)
     assert "stopped" in stderr
+
+
+REPLY = (
+    "Let me think.</think>Sure.\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="location" string="true">Oslo</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n"
+    '<｜DSML｜invoke name="f">\n'
+    '<｜DSML｜parameter name="n" string="false">3</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def _read(text: str, size: int, **kwargs) -> tuple[dict, serve.ReplyStream]:
+    # `text` pushed `size` characters at a time: the joined events, and the stream.
+    stream, parts = serve.ReplyStream(**kwargs), {}
+    events = [e for i in range(0, len(text), size) for e in stream.push(text[i : i + size])]
+    for e in events + stream.finish():
+        if e.kind == "tool_call":
+            parts.setdefault("tool_calls", []).append(e.value)
+        else:
+            parts[e.kind] = parts.get(e.kind, "") + e.value
+    return parts, stream
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 13, 1000])
+def test_the_reply_stream_reads_what_the_release_parser_reads(size):
+    parts, stream = _read(REPLY, size, thinking=True)
+    expected = ed.parse_reply(REPLY + ed.text.EOS, thinking=True)
+    assert sorted(parts) == ["content", "reasoning", "tool_calls"]
+    assert parts["reasoning"] == expected["reasoning_content"]
+    assert parts["content"] == expected["content"]
+    assert parts["tool_calls"] == expected["tool_calls"]
+    assert stream.calls == 2 and stream.ended
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_the_reply_stream_keeps_dsml_out_of_the_text(size):
+    call = REPLY[REPLY.index("<｜DSML｜tool_calls>") :]
+    # A block opened inside the reasoning (no </think>), or without its blank line.
+    parts, _ = _read("Thinking" + "\n\n" + call, size, thinking=True)
+    assert parts == {"reasoning": "Thinking", "tool_calls": parts["tool_calls"]}
+    parts, _ = _read("Done." + call, size, thinking=False)
+    assert parts["content"] == "Done." and len(parts["tool_calls"]) == 2
+    # Malformed DSML: nothing of it, and the reply is over.
+    bad = "Hi\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke nam>\n</｜DSML｜invoke>\nxx"
+    parts, stream = _read(bad, size, thinking=False)
+    assert parts == {"content": "Hi"} and stream.ended and stream.malformed
+    # A stop string's start at the end of a finished reply is text; a whole one ends it.
+    parts, _ = _read("abc EN", size, thinking=False, stop=("END",))
+    assert parts == {"content": "abc EN"}
+    parts, stream = _read("abc END more", size, thinking=False, stop=("END",))
+    assert parts == {"content": "abc "} and stream.ended
+    # A completion's text is all content.
+    parts, _ = _read("x</think>y" + call, size, thinking=True, plain=True)
+    assert parts == {"content": "x</think>y" + call}
 
 
 def test_sample_rows_draws_each_rows_own_filtered_distribution(getkey):

@@ -8,6 +8,7 @@ release's protocol has for it. A request without one gets the server's default.
 
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -78,6 +79,8 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # The request field an error about the prompt names.
+    param: str = "messages"
 
 
 _MISSING = object()
@@ -96,7 +99,7 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MISSING
 
 
 def _range(name: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
-    if value < low or value > high or (open_low and value == low):
+    if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
         bounds = f"{'(' if open_low else '['}{low}, {high}]"
         raise ApiError(f"'{name}' must be in {bounds}, got {value}", param=name)
 
@@ -119,9 +122,9 @@ def _common(body: dict, prompt_tokens: int, max_len: int) -> dict[str, Any]:
     max_new = _get(body, given[0], (int,)) if given else room
     if max_new < 1:
         raise ApiError(f"'{given[0]}' must be >= 1, got {max_new}", param=given[0])
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    temperature = _number(body, "temperature", 1.0)
     _range("temperature", temperature, 0.0, 2.0)
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    top_p = _number(body, "top_p", 1.0)
     _range("top_p", top_p, 0.0, 1.0, open_low=True)
     top_k = _get(body, "top_k", (int,), 0)
     if top_k < 0:
@@ -145,6 +148,14 @@ def _common(body: dict, prompt_tokens: int, max_len: int) -> dict[str, Any]:
         "stream": stream,
         "include_usage": bool(options.get("include_usage", False)),
     }
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = _get(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:  # an integer too large for a float
+        raise ApiError(f"'{name}' is out of range: {value}", param=name) from None
 
 
 def _text(content: Any, where: str) -> str:
@@ -177,7 +188,8 @@ def _messages(messages: Any, tools: list | None) -> list[dict]:
         message = {k: v for k, v in message.items() if v is not None and k != "name"}
         role = message.get("role")
         if role == "tool":
-            if message.get("tool_call_id") not in calls:
+            answered = message.get("tool_call_id")
+            if not isinstance(answered, str) or answered not in calls:
                 raise ApiError(
                     f"{where}.tool_call_id {message.get('tool_call_id')!r} answers no tool call "
                     "of an earlier assistant message",
@@ -273,7 +285,7 @@ def completion_job(body: Any, *, encode: Callable[[str], Sequence[int]], max_len
         raise ApiError("'prompt' must be a string or a list of token ids", param="prompt")
     if not ids:
         raise ApiError("'prompt' is empty", param="prompt")
-    return Job(ids=ids, thinking=False, **_common(body, len(ids), max_len))
+    return Job(ids=ids, thinking=False, param="prompt", **_common(body, len(ids), max_len))
 
 
 class Answer:

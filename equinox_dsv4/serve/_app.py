@@ -38,6 +38,12 @@ class TextOf:
         new, self.shown = text[len(self.shown) :], text
         return new
 
+    def rest(self) -> str:
+        """At the end: what is still held back (a character left unfinished, as decoded)."""
+        text = self.decode(self.ids)
+        new, self.shown = text[len(self.shown) :], text
+        return new
+
 
 def make_app(
     engine: Any,
@@ -98,7 +104,9 @@ def make_app(
                 f"the server is busy ({e}); try again", status=429, type="rate_limit_error"
             ) from None
         except ValueError as e:
-            raise ApiError(str(e), param="messages") from None
+            raise ApiError(str(e), param=job.param) from None
+        except RuntimeError as e:  # the engine failed, or the server is stopping
+            raise ApiError(str(e), status=503, type="server_error") from None
         try:
             while True:
                 item = await queue.get()
@@ -132,7 +140,7 @@ def make_app(
             await source.aclose()
         if reason == "error":
             raise ApiError("the engine failed", status=500, type="server_error")
-        for event in stream.finish():
+        for event in stream.push(text.rest()) + stream.finish():
             yield event.kind, event.value
         if reason == "stop" and stream.calls and kind == "chat":
             reason = "tool_calls"
@@ -198,7 +206,11 @@ def make_app(
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def health(http: HttpRequest):
-        return JSONResponse({"status": "ok", "model": model_name, **engine.health()})
+        # 503 once the engine's loop has failed: a supervisor restarts the server.
+        failed = getattr(engine, "error", None)
+        status = {"status": "error", "error": repr(failed)} if failed else {"status": "ok"}
+        body = {**status, "model": model_name, **engine.health()}
+        return JSONResponse(body, status_code=503 if failed else 200)
 
     async def http_error(http: HttpRequest, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"

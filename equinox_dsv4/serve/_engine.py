@@ -79,8 +79,9 @@ class Engine:
     - `slots`: rows generating at once.
     - `max_len`: tokens per row: prompt plus generated.
     - `chunk`: prompt tokens per prefill step.
-    - `prefill_rows`: rows a prefill step runs at most (the others wait for the next one): a
-      step computes `prefill_rows x chunk` tokens however many rows are reading.
+    - `prefill_rows`: rows a prefill step runs at most (the others wait for the next one); a
+      step runs on the smallest power of two (or `prefill_rows`) that holds the rows reading,
+      one compiled program each.
     - `max_waiting`: requests waiting for a row beyond which `submit` raises `QueueFull`.
 
     `start()` runs the loop in a thread; `submit(request)` queues a request; `cancel(request)`
@@ -109,6 +110,10 @@ class Engine:
         self.policy = model.resolved_policy()
         self.slots, self.max_len, self.chunk, self.max_waiting = slots, max_len, chunk, max_waiting
         self.lanes = min(prefill_rows, slots)
+        # The prefill step's sizes: powers of two below `lanes`, and `lanes`; a step takes the
+        # smallest that holds the rows reading (one compiled program per size).
+        self.sizes = sorted({1 << i for i in range(self.lanes.bit_length())} | {self.lanes})
+        self.sizes = [n for n in self.sizes if n <= self.lanes]
         cache = model.init_cache(slots, max_len)
         self.cache = cache if self.mesh is None else shard_cache(cache, self.mesh)
         self.rows: list[Request | None] = [None] * slots
@@ -119,7 +124,7 @@ class Engine:
         # Steps run, and tokens produced, for the health report and the benchmark.
         self.counts = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0}
         self.error: BaseException | None = None
-        self.warm = False
+        self.warm = self.stopping = False
 
     # -- the owner's side ---------------------------------------------------------------------
 
@@ -135,9 +140,17 @@ class Engine:
             )
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in request.ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is not in the model's vocabulary of {vocab}")
+        # int32 on the device: a top_k beyond the vocabulary filters nothing.
+        request.top_k = min(max(request.top_k, 0), vocab)
         with self.lock:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error!r}")
+            if self.stopping:
+                raise RuntimeError("the server is shutting down")
             # Waiting beyond the free rows (which the loop fills next) is bounded.
             if len(self.waiting) >= self.max_waiting + self.rows.count(None):
                 raise QueueFull(f"{self.slots} requests running and {len(self.waiting)} waiting")
@@ -173,26 +186,36 @@ class Engine:
         return self
 
     def stop(self) -> None:
-        """Cancel every request and end the loop's thread."""
+        """Cancel every request and end the loop's thread; later `submit`s raise."""
         with self.lock:
-            self.running = False
+            self.running, self.stopping = False, True
             for r in [*self.waiting, *self.rows]:
                 if r is not None:
                     r.cancelled = True
             self.lock.notify()
         if self.thread is not None:
             self.thread.join()
-        for r in [*self.waiting, *self.rows]:
-            if r is not None:
-                r.finish("cancelled")
-        self.waiting.clear()
-        self.rows = [None] * self.slots
+        with self.lock:
+            left = [r for r in [*self.waiting, *self.rows] if r is not None]
+            self.waiting.clear()
+            self.rows = [None] * self.slots
+        for r in left:
+            r.finish("cancelled")
 
     def warm_up(self) -> None:
-        """Run a prefill step and a decode step that touch no row (every count 0)."""
-        zeros = np.zeros(self.lanes, np.int32)
-        ids = np.zeros((self.lanes, self.chunk), np.int32)
-        self._prefill(ids, zeros, zeros, np.arange(self.lanes, dtype=np.int32))
+        """Run each prefill step and the decode step, touching no row (every count 0), under
+        the mesh the loop runs in (part of what a compiled program is for)."""
+        with self._mesh():
+            self._warm_up()
+
+    def _mesh(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _warm_up(self) -> None:
+        for n in self.sizes:
+            zeros = np.zeros(n, np.int32)
+            ids = np.zeros((n, self.chunk), np.int32)
+            self._prefill(ids, zeros, zeros, np.arange(n, dtype=np.int32))
         self._decode(np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32))
         self.warm = True
 
@@ -200,7 +223,7 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            with self._mesh():
                 while True:
                     with self.lock:
                         self._admit()
@@ -221,11 +244,15 @@ class Engine:
             raise
 
     def _admit(self) -> None:
-        # Under the lock: cancelled requests out, waiting ones into free rows.
+        # Under the lock: cancelled requests out (waiting ones too, which count towards the
+        # queue's bound), waiting ones into free rows.
         for slot, r in enumerate(self.rows):
             if r is not None and r.cancelled:
                 self.rows[slot] = None
                 r.finish("cancelled")
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            r.finish("cancelled")
         while self.waiting and None in self.rows:
             r = self.waiting.popleft()
             if r.cancelled:
@@ -240,13 +267,14 @@ class Engine:
         rows = list(self.rows)
         reading = [r for r in rows if r is not None and r.pending is None][: self.lanes]
         if reading:
-            ids = np.zeros((self.lanes, self.chunk), np.int32)
-            counts = np.zeros(self.lanes, np.int32)
-            fresh = np.zeros(self.lanes, np.int32)
+            lanes = next(n for n in self.sizes if n >= len(reading))
+            ids = np.zeros((lanes, self.chunk), np.int32)
+            counts = np.zeros(lanes, np.int32)
+            fresh = np.zeros(lanes, np.int32)
             # The reading rows' lanes first; the others hold distinct rows left as they are.
             used = [r.slot for r in reading]
             index = used + [s for s in range(self.slots) if s not in used]
-            index = np.asarray(index[: self.lanes], np.int32)
+            index = np.asarray(index[:lanes], np.int32)
             for lane, r in enumerate(reading):
                 part = r.ids[r.prefilled : r.prefilled + self.chunk]
                 ids[lane, : len(part)] = part

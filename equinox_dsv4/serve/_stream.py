@@ -26,6 +26,10 @@ class Event:
     value: Any
 
 
+# A tool-call block's opener: after a blank line, as the release writes it, or bare.
+OPENERS = (CALLS_OPEN, CALLS_OPEN.lstrip("\n"))
+
+
 def _held(text: str, markers: tuple[str, ...]) -> int:
     # The length of the longest end of `text` that is the start of one of `markers`.
     best = 0
@@ -46,12 +50,18 @@ class ReplyStream:
     def __init__(self, *, thinking: bool, stop: tuple[str, ...] = (), plain: bool = False):
         self.phase = "reasoning" if thinking and not plain else "content"
         self.stop = tuple(s for s in stop if s)
-        # What ends the content: a stop string, and unless the text is `plain` (a completion,
-        # not a chat reply) the end of sentence or a tool-call block.
-        self.ends = self.stop if plain else (CALLS_OPEN, EOS, *self.stop)
+        # What ends each part: the reasoning, `</think>` or a tool-call block (the release's
+        # parser refuses the latter; its DSML still stays out of the text); the content, a
+        # block, the end of sentence or a stop string. The text of a completion (`plain`) is
+        # all content, which only a stop string ends.
+        self.openers = () if plain else OPENERS
+        self.ends = {
+            "reasoning": (END_THINK, *self.openers),
+            "content": (*self.openers, *(() if plain else (EOS,)), *self.stop),
+        }
         self.buffer = ""
         self.calls = 0
-        self.stopped = False  # a stop string or the end of the reply was read
+        self.stopped = False  # the end of the reply, a stop string or malformed DSML was read
         self.malformed: str | None = None
 
     def push(self, text: str) -> list[Event]:
@@ -62,67 +72,52 @@ class ReplyStream:
         events: list[Event] = []
         while True:
             before = (self.phase, len(self.buffer))
-            if self.phase == "reasoning":
-                self._reasoning(events)
-            elif self.phase == "content":
-                self._content(events)
-            elif self.phase == "calls":
+            if self.phase == "calls":
                 self._calls(events)
+            else:
+                self._text(events)
             if self.phase == "done" or (self.phase, len(self.buffer)) == before:
                 return events
 
     def finish(self) -> list[Event]:
-        """The reply ends here (its end of sentence was read, a stop string, or its length
-        limit): the text held back is handed out where it cannot be the start of a marker
-        (a tool-call block cut short is dropped, so is an unfinished marker)."""
+        """The reply ends here (its end of sentence, a stop string, or its length limit): the
+        text held back is handed out, except what could have started a tool-call block (a
+        block cut short is dropped whole)."""
         events: list[Event] = []
-        if self.phase == "reasoning":
-            text = self.buffer[: len(self.buffer) - _held(self.buffer, (END_THINK,))]
-            if text:
-                events.append(Event("reasoning", text))
-        elif self.phase == "content":
-            held = _held(self.buffer, self.ends)
-            text = self.buffer[: len(self.buffer) - held]
+        if self.phase in ("reasoning", "content"):
+            text = self.buffer[: len(self.buffer) - _held(self.buffer, self.openers)]
             tail = self.buffer[len(text) :]
-            if tail.strip() == "":  # only the blank line that opens a tool-call block
+            if tail.strip() == "":  # only the blank line that opens a block
                 text += tail
             if text:
-                events.append(Event("content", text))
+                events.append(Event(self.phase, text))
         self.buffer, self.phase = "", "done"
         return events
 
     @property
     def ended(self) -> bool:
-        """The end of sentence or a stop string was read: nothing after it counts."""
+        """The end of sentence, a stop string or malformed DSML was read: nothing after it
+        counts."""
         return self.stopped
 
-    def _reasoning(self, events: list[Event]) -> None:
-        at = self.buffer.find(END_THINK)
-        if at == -1:
-            text = self.buffer[: len(self.buffer) - _held(self.buffer, (END_THINK,))]
-            self.buffer = self.buffer[len(text) :]
-            if text:
-                events.append(Event("reasoning", text))
-            return
-        if at:
-            events.append(Event("reasoning", self.buffer[:at]))
-        self.buffer, self.phase = self.buffer[at + len(END_THINK) :], "content"
-
-    def _content(self, events: list[Event]) -> None:
-        ends = [(self.buffer.find(m), m) for m in self.ends]
-        found = [(at, m) for at, m in ends if at != -1]
+    def _text(self, events: list[Event]) -> None:
+        # Reasoning or content up to the first of its ends; what could start one held back.
+        ends = self.ends[self.phase]
+        found = [(at, m) for m in ends if (at := self.buffer.find(m)) != -1]
         if not found:
-            keep = _held(self.buffer, self.ends)
-            text = self.buffer[: len(self.buffer) - keep]
+            text = self.buffer[: len(self.buffer) - _held(self.buffer, ends)]
             self.buffer = self.buffer[len(text) :]
             if text:
-                events.append(Event("content", text))
+                events.append(Event(self.phase, text))
             return
         at, marker = min(found, key=lambda f: f[0])
         if at:
-            events.append(Event("content", self.buffer[:at]))
-        if marker == CALLS_OPEN:
-            self.buffer, self.phase = self.buffer[at + len(CALLS_OPEN) :], "calls"
+            events.append(Event(self.phase, self.buffer[:at]))
+        rest = self.buffer[at + len(marker) :]
+        if marker in self.openers:
+            self.buffer, self.phase = rest, "calls"
+        elif marker == END_THINK:
+            self.buffer, self.phase = rest, "content"
         else:  # the end of sentence or a stop string
             self.buffer, self.phase, self.stopped = "", "done", True
 
@@ -151,6 +146,7 @@ class ReplyStream:
         self.buffer = self.buffer[end:]
 
     def _malformed(self, why: str) -> None:
-        # DSML the release's parser refuses: nothing more of the block is handed out.
+        # DSML the release's parser refuses: nothing more of the block is handed out, and
+        # the reply ends here.
         self.malformed = why
-        self.buffer, self.phase = "", "done"
+        self.buffer, self.phase, self.stopped = "", "done", True
