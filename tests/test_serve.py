@@ -428,6 +428,21 @@ def test_a_client_gone_mid_stream_frees_its_slot(real):
     assert _health(url)["busy"] == 0
 
 
+def test_a_client_gone_before_its_whole_answer_frees_its_slot():
+    # Not streamed: the client leaves while its answer is being generated (slowly, by the
+    # scripted engine); its request is cancelled.
+    with serving(Scripted(CALL_TEXT, pace=0.1)) as url:
+        connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+        connection.request("POST", "/v1/chat/completions", json.dumps({"messages": USER}))
+        while _health(url)["busy"] == 0:
+            time.sleep(0.01)
+        connection.close()
+        end = time.monotonic() + 5
+        while _health(url)["busy"] and time.monotonic() < end:
+            time.sleep(0.02)
+        assert _health(url)["busy"] == 0
+
+
 def test_stop_strings_end_the_content(real):
     url, _ = real
     whole = client(url).completions.create(model="tiny", prompt=[1, 2], max_tokens=8, temperature=0)

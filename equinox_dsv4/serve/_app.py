@@ -9,13 +9,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ._api import Answer, ApiError, Job, chat_job, completion_job
@@ -151,23 +151,30 @@ def make_app(
         if job.stream:
             events = reply(job, kind)
             # The first event is awaited here: a refused request (busy, bad prompt) is an error
-            # status, not a stream.
+            # status, not a stream. (Once streaming, Starlette stops the stream when the client
+            # goes.)
             try:
-                first = await events.__anext__()
+                first = await _unless_gone(http, events.__anext__())
             except ApiError as e:
                 return error(e)
+            if first is _GONE:
+                return Response(status_code=499)
             return StreamingResponse(_sse(out, events, first, job), media_type="text/event-stream")
         parts: dict[str, list] = {"content": [], "reasoning": [], "tool_call": []}
-        try:
+
+        async def collect():
             async for what, value in reply(job, kind):
                 if what == "finish":
-                    reason, produced = value
-                elif what == "tool_call":
-                    parts[what].append(out.call(value))
-                else:
-                    parts[what].append(value)
+                    return value
+                parts[what].append(out.call(value) if what == "tool_call" else value)
+
+        try:
+            ended = await _unless_gone(http, collect())
         except ApiError as e:
             return error(e)
+        if ended is _GONE:
+            return Response(status_code=499)
+        reason, produced = ended
         return JSONResponse(
             out.whole(
                 content="".join(parts["content"]),
@@ -236,6 +243,25 @@ def make_app(
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
+
+
+# What `_unless_gone` gives when the client went away first.
+_GONE = object()
+
+
+async def _unless_gone(http: HttpRequest, work: Awaitable) -> Any:
+    """`await work`, unless the client goes away first: then `work` is cancelled (a request
+    it was waiting on is cancelled with it, its row freed) and `_GONE` is returned."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await http.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return _GONE
 
 
 async def _sse(out: Answer, events: AsyncIterator, first: tuple, job: Job) -> AsyncIterator[str]:
