@@ -310,6 +310,9 @@ class Answer:
             choice["delta"] = delta or {}
         else:
             choice["text"] = delta or ""
+        return self._envelope(kind, choice)
+
+    def _envelope(self, kind: str, choice: dict) -> dict:
         return {
             "id": self.id,
             "object": kind,
@@ -353,11 +356,4 @@ class Answer:
         else:
             choice, kind = {"index": 0, "text": content, "logprobs": None}, "text_completion"
         choice["finish_reason"] = finish_reason
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(completion_tokens),
-        }
+        return {**self._envelope(kind, choice), "usage": self.usage(completion_tokens)}

@@ -352,8 +352,10 @@ class Engine:
 TRACES = {"prefill": 0, "decode": 0}
 
 
-def _keys(seeds: Int[Array, "batch 2"]) -> Array:
-    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
+def _sample(logits, temperature, top_k, top_p, seeds, policy) -> Array:
+    # Each row's token with its own sampling, from the key of its seed and token count.
+    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
+    return sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy)
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -378,8 +380,7 @@ def _prefill_step(
     part = cache.take_rows(index)
     part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
     logits, part = model.decode_inline(ids, part, counts, last_only=True, checked=False)
-    keys = _keys(seeds)
-    token = sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy)
+    token = _sample(logits, temperature, top_k, top_p, seeds, policy)
     return token, cache.put_rows(index, part)
 
 
@@ -399,5 +400,4 @@ def _decode_step(
     TRACES["decode"] += 1
     model = with_policy(model, policy)
     logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=False)
-    keys = _keys(seeds)
-    return sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy), cache
+    return _sample(logits, temperature, top_k, top_p, seeds, policy), cache
