@@ -2,7 +2,7 @@
 reasoning and tool calls parsed, many clients at once (continuous batching).
 
     python examples/serve.py [--checkpoint DIR | --hf DIR] [--host 127.0.0.1] [--port 8000]
-        [--slots N] [--max-len L]
+        [--slots N] [--max-len L] [--speculative mtp|dspark]
 
 With no model argument it serves the embedded default: a tiny model with RANDOM (seeded)
 weights, whose text is meaningless; it shows the whole path working. Endpoints: POST
@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=ed.text.REVISIONS,
         help="the chat protocol's revision (default: the checkpoint's release)",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("mtp", "dspark"),
+        help="draft with the MTP blocks or the DSpark drafter, verified per row",
+    )
     parser.add_argument("--layers", type=int, help="default model: keep the first N layers")
     return run_reporting_errors(run, parser.parse_args(argv))
 
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("slots", "max_len", "chunk", "prefill_rows", "port"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    model, described = load_model(args, mtp=False, layers=args.layers)
+    model, described = load_model(args, mtp=args.speculative or False, layers=args.layers)
     say(f"model: {described}")
     model = with_adapter(model, args)
     check_vocabulary(model)
@@ -92,8 +97,10 @@ def run(args: argparse.Namespace) -> int:
         chunk=args.chunk,
         prefill_rows=args.prefill_rows,
         max_waiting=args.queue,
+        speculative=args.speculative,
     )
-    say(f"compiling the steps ({args.slots} slots of {args.max_len} tokens) ...")
+    drafting = f", drafting with {args.speculative}" if args.speculative else ""
+    say(f"compiling the steps ({args.slots} slots of {args.max_len} tokens{drafting}) ...")
     engine.warm_up()
     name = args.name or pathlib.Path(args.checkpoint or args.hf or "equinox-dsv4-tiny").name
     app = serve.make_app(

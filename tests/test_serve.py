@@ -18,6 +18,7 @@ import typing
 import urllib.error
 import urllib.request
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +218,64 @@ def test_seeded_sampling_is_reproducible(real):
     first = client(url).completions.create(**ask, extra_body={"top_k": 50})
     again = client(url).completions.create(**ask, extra_body={"top_k": 50})
     assert first.choices[0].text == again.choices[0].text
+
+
+def _few_tokens(model, keep: int = 4):
+    # The head shrunk but for `keep` rows (the end of sentence among them): the main model's
+    # and the MTP block's greedy choices (they share the head) fall among them, so drafts are
+    # often accepted, and rows stop in the middle of a step's accepted tokens.
+    scale = jnp.where(jnp.arange(model.config.vocab_size) < keep, 1.0, 0.05)[:, None]
+    return eqx.tree_at(lambda m: m.head.weight, model, model.head.weight * scale)
+
+
+def test_speculative_rows_give_what_generate_gives_alone(model):
+    # MTP drafting per row: 10 requests at once on 4 slots (rows reused, prompts of one and two
+    # chunks), greedy. Each gets exactly plain `ed.generate`'s tokens for its prompt alone,
+    # stops and length limits falling inside accepted drafts; a seeded sampling request gets
+    # the same tokens beside others as alone; no step compiles again after the first batch.
+    model = _few_tokens(model)
+    engine = serve.Engine(
+        model, slots=SLOTS, max_len=MAX_LEN, chunk=CHUNK, prefill_rows=LANES, speculative="mtp"
+    ).start()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 1000, n).tolist() for n in rng.integers(1, 30, 10)]
+    limits = rng.integers(1, 13, 10).tolist()
+
+    def run(asks):
+        out = [([], []) for _ in asks]
+        for (ids, limit, sampling), (tokens, reasons) in zip(asks, out, strict=True):
+            engine.submit(
+                serve.Request(
+                    ids,
+                    limit,
+                    on_token=tokens.append,
+                    on_finish=reasons.append,
+                    stop_tokens=frozenset([EOS]),
+                    **sampling,
+                )
+            )
+        end = time.monotonic() + 300
+        while not all(reasons for _, reasons in out):
+            assert time.monotonic() < end, "the engine did not finish"
+            time.sleep(0.05)
+        return out
+
+    try:
+        seeded = dict(temperature=1.0, top_k=3, seed=11)
+        alone = run([(prompts[0], 12, seeded)])[0][0]
+        traces = dict(serve.TRACES)
+        answers = run([(p, n, {}) for p, n in zip(prompts, limits, strict=True)])
+        beside = run([(prompts[1], 12, {}), (prompts[0], 12, seeded)])[1][0]
+        assert serve.TRACES == traces
+        counts = engine.health()
+    finally:
+        engine.stop()
+    for i, (tokens, reasons) in enumerate(answers):
+        expected = ed.generate(model, [prompts[i]], max_new_tokens=limits[i])[0]
+        assert tokens == expected, i
+        assert reasons == ["length" if len(expected) == limits[i] else "stop"], i
+    assert beside == alone
+    assert 0 < counts["accepted"] < counts["drafted"]
 
 
 def _scripted_chat(url, stream, **kwargs):
@@ -549,17 +608,16 @@ def test_sample_rows_draws_each_rows_own_filtered_distribution(getkey):
     logits = jax.random.normal(getkey(), (4, 50)) * 3
     settings = [ed.Sampling(0.7, 5, 1.0), ed.Sampling(1.0, 0, 0.8), ed.Sampling(1.3, 9, 0.5)]
     settings.append(ed.Sampling(2.0, 0, 1.0))
-    rows = ed.inference.filtered_rows(
-        logits,
+    rows = ed.inference.SamplingRows(
         jnp.asarray([s.temperature for s in settings], jnp.float32),
         jnp.asarray([s.top_k for s in settings], jnp.int32),
         jnp.asarray([s.top_p for s in settings], jnp.float32),
     )
+    filtered = ed.inference.filtered_rows(logits, rows)
     for b, s in enumerate(settings):
         expected = ed.inference.filtered_logits(logits[b], s)
-        np.testing.assert_array_equal(np.isinf(rows[b]), np.isinf(expected))
-        np.testing.assert_allclose(rows[b], expected, rtol=1e-6)
-    greedy = ed.inference.sample_rows(
-        logits, jax.random.split(getkey(), 4), jnp.zeros(4), jnp.zeros(4, jnp.int32), jnp.ones(4)
-    )
-    np.testing.assert_array_equal(greedy, jnp.argmax(logits, -1))
+        np.testing.assert_array_equal(np.isinf(filtered[b]), np.isinf(expected))
+        np.testing.assert_allclose(filtered[b], expected, rtol=1e-6)
+    greedy = ed.inference.SamplingRows(jnp.zeros(4), jnp.zeros(4, jnp.int32), jnp.ones(4))
+    drawn = ed.inference.sample_rows(logits, jax.random.split(getkey(), 4), greedy)
+    np.testing.assert_array_equal(drawn, jnp.argmax(logits, -1))

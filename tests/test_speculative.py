@@ -336,6 +336,48 @@ def test_accept_drafts_by_hand():
     assert set(replaced) == {0, 1} and 0.35 < (replaced == 0).mean() < 0.65
 
 
+def test_accept_drafts_row_by_row():
+    # SamplingRows, a key per row: each row is judged as a batch of that row alone with its
+    # own Sampling and key; a greedy row, its drafts' distributions all on them (as
+    # draw_rows gives), as greedy. Drafts near the target's, so that some are accepted.
+    rng = np.random.default_rng(7)
+    b, n, v = 8, 3, 40
+    logits = jnp.asarray(rng.normal(size=(b, n + 1, v)) * 2, jnp.float32)
+    near = logits[:, :n] + jnp.asarray(rng.normal(size=(b, n, v)) * 0.3, jnp.float32)
+    greedy = ed.Sampling()
+    settings = [greedy, ed.Sampling(0.8, 5), ed.Sampling(1.0, 0, 0.7), greedy]
+    settings += [ed.Sampling(1.5, 7, 0.9), ed.Sampling(1.0), greedy, ed.Sampling(0.5, 2, 0.5)]
+    rows = ed.inference.SamplingRows(
+        jnp.asarray([s.temperature for s in settings], jnp.float32),
+        jnp.asarray([s.top_k for s in settings], jnp.int32),
+        jnp.asarray([s.top_p for s in settings], jnp.float32),
+    )
+    keys = jax.random.split(jax.random.key(3), b)
+    drawn = [
+        ed.inference.draw_rows(near[:, j], jax.random.split(jax.random.key(j), b), rows)
+        for j in range(n)
+    ]
+    drafts = jnp.stack([t for t, _ in drawn], axis=1)
+    q = jnp.stack([p for _, p in drawn], axis=1)
+    accepted, tokens = ed.inference.accept_drafts(logits, drafts, q, keys, rows)
+    for r, s in enumerate(settings):
+        row = slice(r, r + 1)
+        if s.greedy:
+            np.testing.assert_array_equal(drafts[r], jnp.argmax(near[r], -1))
+            np.testing.assert_array_equal(q[r], jax.nn.one_hot(drafts[r], v))
+        else:
+            expected = jax.nn.softmax(ed.inference.filtered_logits(near[r], s), axis=-1)
+            np.testing.assert_allclose(q[r], expected, rtol=1e-5, atol=1e-7)
+        probs = None if s.greedy else q[row]
+        a, t = ed.inference.accept_drafts(logits[row], drafts[row], probs, keys[r], s)
+        assert int(accepted[r]) == int(a[0]), r
+        np.testing.assert_array_equal(tokens[r, : int(a[0]) + 1], t[0, : int(a[0]) + 1])
+    # Both rules occur: drafts accepted and rejected, greedy and sampled.
+    accepted = np.asarray(accepted)
+    assert 0 < accepted.sum() < b * n
+    assert accepted[[0, 3, 6]].sum() > 0 and accepted[[1, 2, 4, 5, 7]].sum() > 0
+
+
 def test_speculative_sampling_draws_the_plain_distribution():
     # Two chained MTP blocks, a vocabulary of 8 and 3000 copies of one prompt: the first two
     # generated tokens' joint frequencies against the exact plain-sampling distribution (the

@@ -26,10 +26,10 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from ..nn import DeepseekV4, KVCache
-from ._sampling import Sampling, filtered_logits, sample
+from ._sampling import Sampling, SamplingRows, draw_rows, filtered_logits, fold_in, sample
 
 
 class AbstractDrafter(eqx.Module):
@@ -58,7 +58,7 @@ class AbstractDrafter(eqx.Module):
         model: DeepseekV4,
         batch: int,
         max_len: int,
-        sampling: Sampling,
+        sampling: Sampling | SamplingRows,
         place: Callable[[KVCache], KVCache],
     ) -> Any:
         """The empty state for `batch` sequences of up to `max_len` positions; `place` puts a
@@ -87,14 +87,15 @@ class AbstractDrafter(eqx.Module):
         verified: Int[Array, " batch"],
         ahead: Int[Array, "batch rows"],
         state: Any,
-        key: PRNGKeyArray,
-        sampling: Sampling,
+        key: PRNGKeyArray | Key[Array, " batch"],
+        sampling: Sampling | SamplingRows,
     ) -> Any:
         """Take in the positions just verified and draft the next tokens: `streams[:, i]` are
         the main model's final streams at the `i`-th position of the step (and `taps` its
         stream averages there, `None` for the last prompt position, which `prefill` took in),
-        `verified[b]` how many of them are now verified (0: the row is idle), and
-        `ahead[:, i]` the token after each, verified for `i < verified`."""
+        `verified[b]` how many of them are now verified (0: the row is idle, its state then
+        unchanged), and `ahead[:, i]` the token after each, verified for `i < verified`. One
+        key for the batch with a `Sampling`, one per row with `SamplingRows`."""
 
     @abc.abstractmethod
     def drafts(
@@ -126,7 +127,7 @@ class MTPDrafter(AbstractDrafter):
         model: DeepseekV4,
         batch: int,
         max_len: int,
-        sampling: Sampling,
+        sampling: Sampling | SamplingRows,
         place: Callable[[KVCache], KVCache],
     ) -> Drafts:
         n = len(model.mtp)
@@ -175,8 +176,8 @@ class MTPDrafter(AbstractDrafter):
         verified: Int[Array, " batch"],
         ahead: Int[Array, "batch rows"],
         state: Drafts,
-        key: PRNGKeyArray,
-        sampling: Sampling,
+        key: PRNGKeyArray | Key[Array, " batch"],
+        sampling: Sampling | SamplingRows,
     ) -> Drafts:
         # `streams[:, i]` is at position P_old + i, P_old being depth 0's cache position (every
         # token before it is in every depth's cache as far as its inputs are verified).
@@ -203,7 +204,7 @@ class MTPDrafter(AbstractDrafter):
             caches.append(cache.at_positions(kept))
             last = _rows(h, (p_new - 1 - start)[:, None])
             logits = model.head(last, dtype=jnp.float32)[:, 0]
-            token, q = draw(logits, jax.random.fold_in(key, j), sampling, model)
+            token, q = draw(logits, key, j, sampling, model)
             drafted.append(token)
             probs.append(q)
             tokens = jnp.put_along_axis(
@@ -217,9 +218,14 @@ class MTPDrafter(AbstractDrafter):
                 outputs = _rows(out, jnp.arange(size + 1)[None] - 1 - lag[:, None])
                 src = jnp.concatenate([state.carry[j][:, None], outputs[:, 1:]], axis=1)
                 carry.append(held)
+
+        # An idle row keeps its drafts for when it runs again.
+        def keep(new, old):
+            return jnp.where(busy.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
+
         return Drafts(
-            tokens=jnp.stack(drafted, axis=1),
-            probs=None if sampling.greedy else jnp.stack(probs, axis=1),
+            tokens=keep(jnp.stack(drafted, axis=1), state.tokens),
+            probs=None if state.probs is None else keep(jnp.stack(probs, axis=1), state.probs),
             caches=tuple(caches),
             carry=tuple(carry),
         )
@@ -237,9 +243,17 @@ def _rows(x: Array, index: Array) -> Array:
 
 
 def draw(
-    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling, model: DeepseekV4
+    logits: Float[Array, "batch vocab"],
+    key: PRNGKeyArray | Key[Array, " batch"],
+    salt: int,
+    sampling: Sampling | SamplingRows,
+    model: DeepseekV4,
 ) -> tuple[Int[Array, " batch"], Float[Array, "batch vocab"] | None]:
-    # A draft token per row and the distribution it came from (None when greedy).
+    # A draft token per row and the distribution it came from (None when greedy), from `key`
+    # (or each row's) folded with `salt`.
+    key = fold_in(key, salt)
+    if isinstance(sampling, SamplingRows):
+        return draw_rows(logits, key, sampling, policy=model.policy)
     if sampling.greedy:
         return sample(logits, key, sampling, policy=model.policy), None
     logits = filtered_logits(logits, sampling)

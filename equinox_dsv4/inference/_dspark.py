@@ -13,13 +13,12 @@ written during the prefill.
 from collections.abc import Callable
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from ..nn import DeepseekV4, KVCache
 from ._drafting import AbstractDrafter, _rows, draw
-from ._sampling import Sampling
+from ._sampling import Sampling, SamplingRows
 
 
 class DSparkState(eqx.Module):
@@ -48,7 +47,7 @@ class DSparkDrafter(AbstractDrafter):
         model: DeepseekV4,
         batch: int,
         max_len: int,
-        sampling: Sampling,
+        sampling: Sampling | SamplingRows,
         place: Callable[[KVCache], KVCache],
     ) -> DSparkState:
         dspark = _dspark(model)
@@ -81,8 +80,8 @@ class DSparkDrafter(AbstractDrafter):
         verified: Int[Array, " batch"],
         ahead: Int[Array, "batch rows"],
         state: DSparkState,
-        key: PRNGKeyArray,
-        sampling: Sampling,
+        key: PRNGKeyArray | Key[Array, " batch"],
+        sampling: Sampling | SamplingRows,
     ) -> DSparkState:
         dspark = _dspark(model)
         rings = state.rings
@@ -93,7 +92,7 @@ class DSparkDrafter(AbstractDrafter):
         probs = []
 
         def choose(logits, slot):
-            token, q = draw(logits, jax.random.fold_in(key, slot), sampling, model)
+            token, q = draw(logits, key, slot, sampling, model)
             probs.append(q)
             return token
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from .._typecheck import typechecked
 from ..execution import Policy, with_policy
@@ -28,7 +28,7 @@ from ..nn import DeepseekV4, KVCache
 from ..parallel import committed, shard_cache
 from ._drafting import AbstractDrafter, MTPDrafter, _rows
 from ._dspark import DSparkDrafter
-from ._sampling import Sampling, accept_drafts, sample
+from ._sampling import Sampling, SamplingRows, accept_drafts, sample, sample_rows, split_keys
 
 
 @typechecked
@@ -85,8 +85,8 @@ def speculative_step(
     active: Int[Array, " batch"],
     cache: KVCache,
     drafts: Any,
-    key: PRNGKeyArray,
-    sampling: Sampling,
+    key: PRNGKeyArray | Key[Array, " batch"],
+    sampling: Sampling | SamplingRows,
 ) -> tuple[
     Int[Array, "batch depth_plus_one"], Int[Array, " batch"], Int[Array, " batch"], KVCache, Any
 ]:
@@ -96,7 +96,9 @@ def speculative_step(
 
     **Returns:** `(tokens, counts, pending, cache, drafts)`: row `b`'s new tokens are
     `tokens[b, :counts[b]]` (0 for an idle row), the last of them the next step's pending
-    token; the cache (from `model.init_cache(..., rewind=depth)`) and the drafter's state."""
+    token; the cache (from `model.init_cache(..., rewind=depth)`) and the drafter's state.
+    With `SamplingRows` and a key per row, each row samples, drafts and is verified with its
+    own (the drafter's state from `drafter.init` given the same `SamplingRows`)."""
     _check_ids(pending[:, None])
     policy = model.resolved_policy()
     out = _step(model, policy, drafter, pending, active, cache, drafts, key, sampling, False)
@@ -157,18 +159,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if sampling.temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    drafter = _drafter(speculative)
-    if isinstance(drafter, MTPDrafter) and not model.mtp:
-        raise ValueError(
-            f"speculative={speculative!r} drafts with the MTP blocks, and this model has none "
-            "(num_nextn_predict_layers == 0, a DSpark release, or loaded without them)"
-            + ('; use speculative="dspark"' if model.dspark is not None else "")
-        )
-    if isinstance(drafter, DSparkDrafter) and model.dspark is None:
-        raise ValueError(
-            f"speculative={speculative!r} drafts with the DSpark drafter, and this model has "
-            "none (its config has no dspark_* fields, or it was loaded without it)"
-        )
+    drafter = drafter_for(model, speculative)
     key = jax.random.key(0) if key is None else key
     longest = max(len(p) for p in prompts)
     if max_len is None:
@@ -368,8 +359,8 @@ def _step(
     active: Int[Array, " batch"],
     cache: KVCache,
     drafts: Any,
-    key: PRNGKeyArray,
-    sampling: Sampling,
+    key: PRNGKeyArray | Key[Array, " batch"],
+    sampling: Sampling | SamplingRows,
     checked: bool,
 ) -> tuple[
     Int[Array, "batch depth_plus_one"],
@@ -387,7 +378,10 @@ def _step(
     model = with_policy(model, policy)
     if drafter is None:
         logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=checked)
-        token = sample(logits[:, 0], key, sampling, policy=policy)
+        if isinstance(sampling, SamplingRows):
+            token = sample_rows(logits[:, 0], key, sampling, policy=policy)
+        else:
+            token = sample(logits[:, 0], key, sampling, policy=policy)
         return token[:, None], active, token, cache, None, None
     tokens, probs = drafter.drafts(drafts)
     confidence = drafter.confidence(drafts)
@@ -396,7 +390,7 @@ def _step(
     x, cache, _, taps = model.step(
         ids, cache, active * ids.shape[1], in_place=True, taps=drafter.taps(model)
     )
-    v_key, d_key = jax.random.split(key)
+    v_key, d_key = split_keys(key, 2)
     accepted, out = accept_drafts(model.logits(x), tokens, probs, v_key, sampling, policy=policy)
     counts = active * (accepted + 1)
     cache = cache.at_positions(start + counts)
@@ -409,19 +403,36 @@ def _step(
 _sample = eqx.filter_jit(sample)
 
 
-def _drafter(speculative: bool | str | AbstractDrafter) -> AbstractDrafter | None:
+@typechecked
+def drafter_for(
+    model: DeepseekV4, speculative: bool | str | AbstractDrafter
+) -> AbstractDrafter | None:
+    """The drafter `speculative` (`generate`'s argument) names for `model`: `None` for `False`,
+    `MTPDrafter` for `True` or `"mtp"`, `DSparkDrafter` for `"dspark"`, a drafter as it is;
+    `ValueError` for another value, or for a drafter whose blocks the model lacks."""
     if isinstance(speculative, AbstractDrafter):
-        return speculative
-    if speculative is True or speculative == "mtp":
-        return MTPDrafter()
-    if speculative == "dspark":
-        return DSparkDrafter()
-    if speculative is False:
+        drafter = speculative
+    elif speculative is False:
         return None
-    raise ValueError(
-        f"speculative must be False, True, 'mtp', 'dspark' or an AbstractDrafter, got "
-        f"{speculative!r}"
-    )
+    elif speculative in (True, "mtp", "dspark"):
+        drafter = DSparkDrafter() if speculative == "dspark" else MTPDrafter()
+    else:
+        raise ValueError(
+            f"speculative must be False, True, 'mtp', 'dspark' or an AbstractDrafter, got "
+            f"{speculative!r}"
+        )
+    if isinstance(drafter, MTPDrafter) and not model.mtp:
+        raise ValueError(
+            f"speculative={speculative!r} drafts with the MTP blocks, and this model has none "
+            "(num_nextn_predict_layers == 0, a DSpark release, or loaded without them)"
+            + ('; use speculative="dspark"' if model.dspark is not None else "")
+        )
+    if isinstance(drafter, DSparkDrafter) and model.dspark is None:
+        raise ValueError(
+            f"speculative={speculative!r} drafts with the DSpark drafter, and this model has "
+            "none (its config has no dspark_* fields, or it was loaded without it)"
+        )
+    return drafter
 
 
 def _check_ids(ids: Array) -> None:

@@ -4,6 +4,7 @@ distribution of the output (Leviathan et al. 2023, Chen et al. 2023)."""
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
@@ -85,16 +86,35 @@ def sample(
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+class SamplingRows(eqx.Module):
+    """Each row's own `Sampling`, as arrays (a server's batch holds requests with different
+    ones): row `b` samples as `Sampling(temperature[b], top_k[b], top_p[b])` would, greedy
+    where `temperature[b] == 0`. Where a `Sampling` goes with one PRNG key for the batch, this
+    goes with one key per row (`keys[b]`)."""
+
+    temperature: Float[Array, " batch"]
+    top_k: Int[Array, " batch"]
+    top_p: Float[Array, " batch"]
+
+    @property
+    def greedy(self) -> bool:
+        # Which rows are greedy is known only when the arrays are: never greedy as a whole
+        # (a drafter keeps the distributions its drafts came from).
+        return False
+
+    def repeat(self, n: int) -> "SamplingRows":
+        """Each row's sampling `n` times over, for `n` positions per row flattened."""
+        return jax.tree.map(lambda a: jnp.repeat(a, n), self)
+
+
 @typechecked
 def filtered_rows(
-    logits: Float[Array, "batch vocab"],
-    temperature: Float[Array, " batch"],
-    top_k: Int[Array, " batch"],
-    top_p: Float[Array, " batch"],
+    logits: Float[Array, "batch vocab"], rows: SamplingRows
 ) -> Float[Array, "batch vocab"]:
-    """`filtered_logits` with each row's own sampling (a server's batch holds requests with
-    different ones): row `b` equals `filtered_logits(logits[b], Sampling(temperature[b],
-    top_k[b], top_p[b]))` where `temperature[b] > 0`; a greedy row's is unspecified."""
+    """`filtered_logits` with each row's own sampling: row `b` equals `filtered_logits(logits[b],
+    Sampling(temperature[b], top_k[b], top_p[b]))` where `temperature[b] > 0`; a greedy row's is
+    unspecified."""
+    temperature, top_k, top_p = rows.temperature, rows.top_k, rows.top_p
     scale = jnp.where(temperature > 0, temperature, 1.0)
     logits = logits.astype(jnp.float32) / scale[:, None]
     vocab = logits.shape[-1]
@@ -127,23 +147,53 @@ def filtered_rows(
 def sample_rows(
     logits: Float[Array, "batch vocab"],
     keys: Key[Array, " batch"],
-    temperature: Float[Array, " batch"],
-    top_k: Int[Array, " batch"],
-    top_p: Float[Array, " batch"],
+    rows: SamplingRows,
     *,
     policy: Policy | None = None,
 ) -> Int[Array, " batch"]:
     """One token per row, each row with its own sampling (`filtered_rows`) and its own PRNG
     key (`keys[b]`): greedy where `temperature[b] == 0`, as `sample` is."""
+    return draw_rows(logits, keys, rows, policy=policy)[0]
+
+
+@typechecked
+def draw_rows(
+    logits: Float[Array, "batch vocab"],
+    keys: Key[Array, " batch"],
+    rows: SamplingRows,
+    *,
+    policy: Policy | None = None,
+) -> tuple[Int[Array, " batch"], Float[Array, "batch vocab"]]:
+    """`sample_rows`'s tokens and the distribution each row's came from: a sampling row's
+    filtered softmax, a greedy row's all on its token (so that the speculative rule, given
+    those, accepts a greedy row's draft exactly when it is the target's greedy token)."""
     greedy = argmax(logits, policy)
+    one_hot = jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
+    sampled = rows.temperature > 0
 
     def draw():
-        filtered = filtered_rows(logits, temperature, top_k, top_p)
+        filtered = filtered_rows(logits, rows)
         drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
-        return jnp.where(temperature > 0, drawn, greedy)
+        probs = jnp.where(sampled[:, None], jax.nn.softmax(filtered, axis=-1), one_hot)
+        return jnp.where(sampled, drawn, greedy), probs
 
     # A batch of greedy rows draws nothing.
-    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+    return jax.lax.cond(jnp.any(sampled), draw, lambda: (greedy, one_hot))
+
+
+def split_keys(key: PRNGKeyArray | Key[Array, " batch"], n: int) -> tuple[Array, ...]:
+    """`jax.random.split(key, n)` for one key, or for each of a batch of keys (the `i`-th of
+    the result then a batch too)."""
+    if key.ndim == 0:
+        return tuple(jax.random.split(key, n))
+    return tuple(jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, n))(key), 1, 0))
+
+
+def fold_in(key: PRNGKeyArray | Key[Array, " batch"], data: int) -> Array:
+    """`jax.random.fold_in` for one key or for each of a batch of keys."""
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    return jax.vmap(jax.random.fold_in, (0, None))(key, data)
 
 
 @typechecked
@@ -151,8 +201,8 @@ def accept_drafts(
     logits: Float[Array, "batch drafts_plus_one vocab"],
     drafts: Int[Array, "batch drafts"],
     draft_probs: Float[Array, "batch drafts vocab"] | None,
-    key: PRNGKeyArray,
-    sampling: Sampling,
+    key: PRNGKeyArray | Key[Array, " batch"],
+    sampling: Sampling | SamplingRows,
     *,
     policy: Policy | None = None,
 ) -> tuple[Int[Array, " batch"], Int[Array, "batch drafts_plus_one"]]:
@@ -167,19 +217,41 @@ def accept_drafts(
     all are accepted one more token is drawn from the last `p`. The tokens so produced are
     distributed exactly as tokens drawn one by one from the target.
 
+    With `SamplingRows` (and a key per row), row `b` is judged as a batch of that row alone
+    with `Sampling(temperature[b], top_k[b], top_p[b])` and `keys[b]` would be; `draft_probs`
+    are then required, a greedy row's all on its draft (as `draw_rows` gives them).
+
     **Returns:** `(accepted, tokens)`: per row the number of accepted drafts `a`, and the
     tokens produced, the first `a + 1` of `tokens[b]` (the accepted drafts, then the
     replacement or the extra token); the rest is unspecified.
     """
     b, n, v = logits.shape
+    if isinstance(sampling, SamplingRows):
+        if draft_probs is None or key.shape != (b,):
+            raise ValueError("SamplingRows needs the drafts' distributions and a key per row")
+        flat = logits.reshape(b * n, v)
+        greedy = jax.nn.one_hot(argmax(flat, policy), v, dtype=jnp.float32)
+        rows = sampling.repeat(n)
+        sampled = (rows.temperature > 0)[:, None]
+        p = jnp.where(sampled, jax.nn.softmax(filtered_rows(flat, rows), axis=-1), greedy)
+        accepted, tokens = jax.vmap(lambda p, d, q, k: _verdict(p[None], d[None], q[None], k))(
+            p.reshape(b, n, v), drafts, draft_probs, key
+        )
+        return accepted[:, 0], tokens[:, 0]
     if sampling.greedy:
         target = sample(logits.reshape(b * n, v), key, sampling, policy=policy).reshape(b, n)
         matches = drafts == target[:, :-1]
         accepted = jnp.sum(jnp.cumprod(matches, axis=1), axis=1).astype(jnp.int32)
         return accepted, target
     assert draft_probs is not None
-    u_key, r_key = jax.random.split(key)
     p = jax.nn.softmax(filtered_logits(logits, sampling), axis=-1)
+    return _verdict(p, drafts, draft_probs, key)
+
+
+def _verdict(p, drafts, draft_probs, key):
+    # The sampling rule of `accept_drafts` given the target's distributions `p`.
+    n = p.shape[1]
+    u_key, r_key = jax.random.split(key)
     p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     # u < p/q, as u q < p: no division, and a draft q gave no mass is rejected.

@@ -20,7 +20,8 @@ from ._api import (
     completion_job as completion_job,
 )
 from ._app import make_app as make_app
-from ._engine import TRACES as TRACES, Engine as Engine, QueueFull as QueueFull, Request as Request
+from ._engine import Engine as Engine, QueueFull as QueueFull, Request as Request
+from ._steps import TRACES as TRACES
 from ._stream import Event as Event, ReplyStream as ReplyStream
 
 

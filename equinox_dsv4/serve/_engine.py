@@ -11,6 +11,12 @@ kind, whatever the mix of prompts.
 
 The engine runs its loop in a thread of its own; a request's tokens reach its owner through
 the request's `on_token` / `on_finish` callbacks, called from that thread.
+
+With a drafter (`speculative="mtp"` or `"dspark"`), the prefill steps also feed the drafter and
+draft after each prompt's last token, and a decode step is `inference.speculative_step` over
+all rows: it verifies each generating row's drafts and drafts again, with that row's sampling
+(`SamplingRows`), giving the row 1 .. depth + 1 tokens. The drafter's state has the cache's
+rows.
 """
 
 import contextlib
@@ -19,17 +25,20 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxtyping import Array, Float, Int
 
-from ..execution import Policy, with_policy
-from ..inference import sample_rows
+from ..inference import AbstractDrafter, drafter_for
 from ..nn import DeepseekV4, KVCache
 from ..parallel import committed, shard_cache
+from ._steps import (
+    decode_step,
+    prefill_step,
+    rows_of,
+    speculative_decode_step,
+    speculative_prefill_step,
+)
 
 
 class QueueFull(Exception):
@@ -83,6 +92,9 @@ class Engine:
       step runs on the smallest power of two (or `prefill_rows`) that holds the rows reading,
       one compiled program each.
     - `max_waiting`: requests waiting for a row beyond which `submit` raises `QueueFull`.
+    - `speculative`: `None`, or the drafter that drafts for every row (`"mtp"`, `"dspark"`, an
+      `AbstractDrafter`: as `generate`'s argument); each row's tokens are those plain decoding
+      gives it (greedy) or distributed as they are (sampling).
 
     `start()` runs the loop in a thread; `submit(request)` queues a request; `cancel(request)`
     frees its row within one step; `stop()` cancels everything and ends the thread.
@@ -97,6 +109,7 @@ class Engine:
         chunk: int = 256,
         prefill_rows: int = 4,
         max_waiting: int = 64,
+        speculative: str | AbstractDrafter | None = None,
     ):
         checked = (("slots", slots), ("max_len", max_len), ("chunk", chunk))
         for name, value in checked + (("prefill_rows", prefill_rows),):
@@ -114,8 +127,15 @@ class Engine:
         # smallest that holds the rows reading (one compiled program per size).
         self.sizes = sorted({1 << i for i in range(self.lanes.bit_length())} | {self.lanes})
         self.sizes = [n for n in self.sizes if n <= self.lanes]
-        cache = model.init_cache(slots, max_len)
+        self.drafter = None if speculative is None else drafter_for(model, speculative)
+        self.depth = 0 if self.drafter is None else self.drafter.depth(model)
+        # Room for the drafts verified past a row's last kept token.
+        rows = self.max_len + self.depth
+        cache = model.init_cache(slots, rows, rewind=self.depth)
         self.cache = cache if self.mesh is None else shard_cache(cache, self.mesh)
+        self.drafts = None
+        if self.drafter is not None:
+            self.drafts = self.drafter.init(model, slots, rows, rows_of(slots), self._place)
         self.rows: list[Request | None] = [None] * slots
         self.waiting: deque[Request] = deque()
         self.lock = threading.Condition()
@@ -123,6 +143,9 @@ class Engine:
         self.thread: threading.Thread | None = None
         # Steps run, and tokens produced, for the health report and the benchmark.
         self.counts = {"prefill_steps": 0, "decode_steps": 0, "tokens": 0}
+        if self.drafter is not None:
+            # Drafts verified for generating rows, and how many were accepted.
+            self.counts.update(drafted=0, accepted=0)
         self.error: BaseException | None = None
         self.warm = self.stopping = False
 
@@ -211,11 +234,15 @@ class Engine:
     def _mesh(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
+    def _place(self, cache: KVCache) -> KVCache:
+        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+
     def _warm_up(self) -> None:
         for n in self.sizes:
             zeros = np.zeros(n, np.int32)
             ids = np.zeros((n, self.chunk), np.int32)
-            self._prefill(ids, zeros, zeros, np.arange(n, dtype=np.int32))
+            ahead = np.zeros((n, self.chunk + self.depth), np.int32)
+            self._prefill(ids, ahead, zeros, zeros, np.arange(n, dtype=np.int32))
         self._decode(np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32))
         self.warm = True
 
@@ -269,7 +296,9 @@ class Engine:
         if reading:
             lanes = next(n for n in self.sizes if n >= len(reading))
             ids = np.zeros((lanes, self.chunk), np.int32)
-            counts = np.zeros(lanes, np.int32)
+            # The tokens after each of the chunk's (the drafter is fed them).
+            ahead = np.zeros((lanes, self.chunk + self.depth), np.int32)
+            remaining = np.zeros(lanes, np.int32)
             fresh = np.zeros(lanes, np.int32)
             # The reading rows' lanes first; the others hold distinct rows left as they are.
             used = [r.slot for r in reading]
@@ -278,11 +307,13 @@ class Engine:
             for lane, r in enumerate(reading):
                 part = r.ids[r.prefilled : r.prefilled + self.chunk]
                 ids[lane, : len(part)] = part
-                counts[lane] = len(part)
+                after = r.ids[r.prefilled + 1 : r.prefilled + 1 + self.chunk + self.depth]
+                ahead[lane, : len(after)] = after
+                remaining[lane] = len(r.ids) - r.prefilled
                 fresh[lane] = r.prefilled == 0
-            first = self._prefill(ids, counts, fresh, index)
+            first = self._prefill(ids, ahead, remaining, fresh, index)
             for lane, r in enumerate(reading):
-                r.prefilled += int(counts[lane])
+                r.prefilled += min(int(remaining[lane]), self.chunk)
                 if r.prefilled == len(r.ids):
                     self._take(r, int(first[lane]))
         generating = [r for r in self.rows if r is not None and r.pending is not None]
@@ -291,12 +322,17 @@ class Engine:
             active = np.zeros(self.slots, np.int32)
             for r in generating:
                 pending[r.slot], active[r.slot] = r.pending, 1
-            tokens = self._decode(pending, active)
+            tokens, counts = self._decode(pending, active)
             for r in generating:
-                self._take(r, int(tokens[r.slot]))
+                if self.drafter is not None:
+                    self.counts["drafted"] += self.depth
+                    self.counts["accepted"] += int(counts[r.slot]) - 1
+                for token in tokens[r.slot, : counts[r.slot]]:
+                    if self._take(r, int(token)):
+                        break
 
-    def _take(self, r: Request, token: int) -> None:
-        # A new token for `r`: passed on, or the end of `r` (its row freed).
+    def _take(self, r: Request, token: int) -> bool:
+        # A new token for `r`: passed on, or the end of `r` (its row freed; returns True).
         self.counts["tokens"] += 1
         reason = None
         if r.cancelled:
@@ -311,10 +347,11 @@ class Engine:
                 reason = "length"
         if reason is None:
             r.pending = token
-            return
+            return False
         with self.lock:
             self.rows[r.slot] = None
         r.finish(reason)
+        return True
 
     def _sampling(self) -> tuple[np.ndarray, ...]:
         # Each row's sampling, and its PRNG stream's position (its request's seed, and the
@@ -331,73 +368,52 @@ class Engine:
         return temperature, top_k, top_p, seeds
 
     def _prefill(
-        self, ids: np.ndarray, counts: np.ndarray, fresh: np.ndarray, index: np.ndarray
+        self,
+        ids: np.ndarray,
+        ahead: np.ndarray,
+        remaining: np.ndarray,
+        fresh: np.ndarray,
+        index: np.ndarray,
     ) -> np.ndarray:
         self.counts["prefill_steps"] += 1
         sampling = [a[index] for a in self._sampling()]
-        token, self.cache = _prefill_step(
-            self.model, self.policy, ids, counts, fresh, index, self.cache, *sampling
-        )
+        if self.drafter is None:
+            counts = np.minimum(remaining, self.chunk)
+            token, self.cache = prefill_step(
+                self.model, self.policy, ids, counts, fresh, index, self.cache, *sampling
+            )
+        else:
+            token, self.cache, self.drafts = speculative_prefill_step(
+                self.model,
+                self.policy,
+                self.drafter,
+                ids,
+                ahead,
+                remaining,
+                fresh,
+                index,
+                self.cache,
+                self.drafts,
+                *sampling,
+            )
         return np.asarray(token)
 
-    def _decode(self, pending: np.ndarray, active: np.ndarray) -> np.ndarray:
+    def _decode(self, pending: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # Each row's new tokens, `tokens[b, :counts[b]]`.
         self.counts["decode_steps"] += 1
-        token, self.cache = _decode_step(
-            self.model, self.policy, pending, active, self.cache, *self._sampling()
+        if self.drafter is None:
+            token, self.cache = decode_step(
+                self.model, self.policy, pending, active, self.cache, *self._sampling()
+            )
+            return np.asarray(token)[:, None], active
+        tokens, counts, self.cache, self.drafts = speculative_decode_step(
+            self.model,
+            self.policy,
+            self.drafter,
+            pending,
+            active,
+            self.cache,
+            self.drafts,
+            *self._sampling(),
         )
-        return np.asarray(token)
-
-
-# How many times each step has been traced (a test bounds them: no compilation per request).
-TRACES = {"prefill": 0, "decode": 0}
-
-
-def _sample(logits, temperature, top_k, top_p, seeds, policy) -> Array:
-    # Each row's token with its own sampling, from the key of its seed and token count.
-    keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s[0]), s[1]))(seeds)
-    return sample_rows(logits[:, 0], keys, temperature, top_k, top_p, policy=policy)
-
-
-@eqx.filter_jit(donate="all-except-first")
-def _prefill_step(
-    model: DeepseekV4,
-    policy: Policy,
-    ids: Int[Array, "lanes chunk"],
-    counts: Int[Array, " lanes"],
-    fresh: Int[Array, " lanes"],
-    index: Int[Array, " lanes"],
-    cache: KVCache,
-    temperature: Float[Array, " lanes"],
-    top_k: Int[Array, " lanes"],
-    top_p: Float[Array, " lanes"],
-    seeds: Int[Array, "lanes 2"],
-) -> tuple[Int[Array, " lanes"], KVCache]:
-    # The next chunk of the rows in the lanes (row `index[i]`: `counts[i]` tokens; 0 leaves it
-    # as it is), a row starting a new prompt first set back to position 0; the token sampled
-    # after each lane's last position in its chunk. Only the lanes' rows are computed.
-    TRACES["prefill"] += 1
-    model = with_policy(model, policy)
-    part = cache.take_rows(index)
-    part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
-    logits, part = model.decode_inline(ids, part, counts, last_only=True, checked=False)
-    token = _sample(logits, temperature, top_k, top_p, seeds, policy)
-    return token, cache.put_rows(index, part)
-
-
-@eqx.filter_jit(donate="all-except-first")
-def _decode_step(
-    model: DeepseekV4,
-    policy: Policy,
-    pending: Int[Array, " batch"],
-    active: Int[Array, " batch"],
-    cache: KVCache,
-    temperature: Float[Array, " batch"],
-    top_k: Int[Array, " batch"],
-    top_p: Float[Array, " batch"],
-    seeds: Int[Array, "batch 2"],
-) -> tuple[Int[Array, " batch"], KVCache]:
-    # Each active row's pending token appended; the next one sampled.
-    TRACES["decode"] += 1
-    model = with_policy(model, policy)
-    logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=False)
-    return _sample(logits, temperature, top_k, top_p, seeds, policy), cache
+        return jax.device_get((tokens, counts))
