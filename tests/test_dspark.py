@@ -6,6 +6,7 @@ stages' ring."""
 import dataclasses
 import json
 import shutil
+import time
 
 import equinox as eqx
 import jax
@@ -21,6 +22,7 @@ import convert
 import equinox_dsv4 as ed
 from convert.names import hf_to_canonical
 from convert.reader import list_tensors, read_tensor, write_safetensors
+from equinox_dsv4 import serve
 
 
 # Five layers (a sliding hash-routed one, then a scanned (CSA, HCA) period), 8 index heads (see
@@ -272,7 +274,7 @@ def test_greedy_dspark_equals_plain_greedy(setup):
         ({"max_new_tokens": 100}, (100, 128 - 40)),  # prompt 1 at 100 tokens, prompt 40 at 128
         ({"max_new_tokens": 64, "stop_tokens": [stop]}, (64, None)),
     ):
-        seen = []
+        seen, stats = [], {}
         expected = ed.generate(model, prompts, prefill_chunk=16, max_len=128, **kwargs)
         spec = ed.generate(
             model,
@@ -281,6 +283,7 @@ def test_greedy_dspark_equals_plain_greedy(setup):
             max_len=128,
             speculative=drafter,
             callback=lambda t, r, seen=seen: seen.append((t.copy(), r.copy())),
+            stats=stats,
             **kwargs,
         )
         assert spec == expected, kwargs
@@ -290,6 +293,35 @@ def test_greedy_dspark_equals_plain_greedy(setup):
         else:
             assert (len(spec[0]), len(spec[-1])) == ends
     assert drafter.traced.n == 2  # the same programs throughout
+    # The server's engine drafting per row (8 slots, rows reused, each row's drafter state
+    # taken and put back by the prefill steps): the last run's tokens, and its drafts (as
+    # many accepted: a row reused or beside others drafts what it drafts alone).
+    engine = serve.Engine(
+        model, slots=8, max_len=128, chunk=16, prefill_rows=4, speculative="dspark"
+    ).start()
+    served = [[] for _ in prompts]
+    finished = []
+    # Longest first: rows that held long prompts are reused for prompts shorter than the ring.
+    for ids, out in reversed(list(zip(prompts, served, strict=True))):
+        engine.submit(
+            serve.Request(
+                [int(t) for t in ids],
+                64,
+                on_token=out.append,
+                on_finish=finished.append,
+                stop_tokens=frozenset([stop]),
+            )
+        )
+    try:
+        end = time.monotonic() + 300
+        while len(finished) < len(prompts):
+            assert time.monotonic() < end, "the engine did not finish"
+            time.sleep(0.05)
+        counts = engine.health()
+    finally:
+        engine.stop()
+    assert served == expected
+    assert (counts["drafted"], counts["accepted"]) == (stats["drafted"], stats["accepted"])
     # On a sharded model.
     sharded = ed.shard(model, ed.make_mesh(fsdp=2, expert=4))
     got = ed.generate(sharded, prompts[:4], max_new_tokens=12, speculative="dspark")
