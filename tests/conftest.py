@@ -99,6 +99,7 @@ _TOGETHER = {
     "test_tpu.py": "tpu",
     "test_quantized.py": "quantized",
     "test_numerics.py": "numerics",
+    "test_serve.py": "serve",
     "test_train.py::test_bias_update_and_frozen_leaves": "train-small",
     "test_train.py::test_resume_is_bit_exact": "train-small",
 }

@@ -293,11 +293,11 @@ def test_greedy_dspark_equals_plain_greedy(setup):
         else:
             assert (len(spec[0]), len(spec[-1])) == ends
     assert drafter.traced.n == 2  # the same programs throughout
-    # The server's engine drafting per row (8 slots, rows reused, each row's drafter state
+    # The server's engine drafting per row (16 slots, rows reused, each row's drafter state
     # taken and put back by the prefill steps): the last run's tokens, and its drafts (as
     # many accepted: a row reused or beside others drafts what it drafts alone).
     engine = serve.Engine(
-        model, slots=8, max_len=128, chunk=16, prefill_rows=4, speculative="dspark"
+        model, slots=16, max_len=128, chunk=16, prefill_rows=2, speculative="dspark"
     ).start()
     served = [[] for _ in prompts]
     finished = []

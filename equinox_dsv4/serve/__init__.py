@@ -21,7 +21,6 @@ from ._api import (
 )
 from ._app import make_app as make_app
 from ._engine import Engine as Engine, QueueFull as QueueFull, Request as Request
-from ._steps import TRACES as TRACES
 from ._stream import Event as Event, ReplyStream as ReplyStream
 
 
@@ -29,7 +28,6 @@ __all__ = [
     "Engine",
     "Request",
     "QueueFull",
-    "TRACES",
     "ReplyStream",
     "Event",
     "make_app",

@@ -131,11 +131,11 @@ class Engine:
         self.depth = 0 if self.drafter is None else self.drafter.depth(model)
         # Room for the drafts verified past a row's last kept token.
         rows = self.max_len + self.depth
-        cache = model.init_cache(slots, rows, rewind=self.depth)
-        self.cache = cache if self.mesh is None else shard_cache(cache, self.mesh)
+        self.cache = self._place(model.init_cache(slots, rows, rewind=self.depth))
         self.drafts = None
         if self.drafter is not None:
-            self.drafts = self.drafter.init(model, slots, rows, rows_of(slots), self._place)
+            drafts = self.drafter.init(model, slots, rows, rows_of(slots), self._place)
+            self.drafts = drafts if self.mesh is not None else committed(drafts)
         self.rows: list[Request | None] = [None] * slots
         self.waiting: deque[Request] = deque()
         self.lock = threading.Condition()
@@ -235,7 +235,9 @@ class Engine:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _place(self, cache: KVCache) -> KVCache:
-        return cache if self.mesh is None else shard_cache(cache, self.mesh)
+        # Committed, as the steps' outputs are (the model is): the warm-up then compiles the
+        # programs every later step runs, not ones for a fresh uncommitted cache.
+        return committed(cache) if self.mesh is None else shard_cache(cache, self.mesh)
 
     def _warm_up(self) -> None:
         for n in self.sizes:

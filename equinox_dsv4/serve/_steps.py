@@ -13,10 +13,6 @@ from ..inference import AbstractDrafter, SamplingRows, sample_rows, speculative_
 from ..nn import DeepseekV4, KVCache
 
 
-# How many times each step has been traced (a test bounds them: no compilation per request).
-TRACES = {"prefill": 0, "decode": 0}
-
-
 def rows_of(n: int) -> SamplingRows:
     # A placeholder for `n` rows' sampling (what a drafter's state is shaped by).
     return SamplingRows(jnp.zeros(n), jnp.zeros(n, jnp.int32), jnp.ones(n))
@@ -44,7 +40,6 @@ def prefill_step(
     # The next chunk of the rows in the lanes (row `index[i]`: `counts[i]` tokens; 0 leaves it
     # as it is), a row starting a new prompt first set back to position 0; the token sampled
     # after each lane's last position in its chunk. Only the lanes' rows are computed.
-    TRACES["prefill"] += 1
     model = with_policy(model, policy)
     part = cache.take_rows(index)
     part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
@@ -67,7 +62,6 @@ def decode_step(
     seeds: Int[Array, "batch 2"],
 ) -> tuple[Int[Array, " batch"], KVCache]:
     # Each active row's pending token appended; the next one sampled.
-    TRACES["decode"] += 1
     model = with_policy(model, policy)
     logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=False)
     rows = SamplingRows(temperature, top_k, top_p)
@@ -94,7 +88,6 @@ def speculative_prefill_step(
     # `prefill_step` feeding the drafter too (`remaining[i]`: the lane's prompt tokens from
     # this chunk on, 0 for a lane left as it is; `ahead[i]`: the tokens after the chunk's), and
     # for a lane whose prompt ends in this chunk the first drafts after the sampled token.
-    TRACES["prefill"] += 1
     model = with_policy(model, policy)
     part = cache.take_rows(index)
     part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
@@ -129,7 +122,6 @@ def speculative_decode_step(
 ) -> tuple[Int[Array, "batch depth_plus_one"], Int[Array, " batch"], KVCache, object]:
     # Each active row's pending token and drafts verified, the accepted ones and one more
     # token kept (`tokens[b, :counts[b]]`), and the next drafts.
-    TRACES["decode"] += 1
     model = with_policy(model, policy)
     rows = SamplingRows(temperature, top_k, top_p)
     tokens, counts, _, cache, drafts = speculative_step(
