@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 
 
@@ -162,3 +163,23 @@ def assert_draws_from(
     assert test_power > power, test_power
     p_value = scipy.stats.chi2.sf(chi2, df)
     assert p_value > level, (chi2, df, p_value)
+
+
+_LOWERED: list[str] = []
+
+
+def lowered() -> list[str]:
+    """The names of the programs lowered in this process since the first call, in order (the
+    list grows): one for each miss of a jitted function's cache (a new trace, or arguments of
+    other shapes, shardings or commitment), whether or not the persistent compilation cache
+    then holds its executable."""
+    if not getattr(lowered, "listening", False):
+        # Not at import: tests/site imports this module while JAX itself is being imported.
+        jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+        lowered.listening = True
+    return _LOWERED
+
+
+def _count_lowering(event: str, _seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _LOWERED.append(str(kwargs.get("fun_name")))

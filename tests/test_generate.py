@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import run_python
+from helpers import lowered, run_python
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -215,4 +215,7 @@ def test_chunked_prefill_gives_the_same_generation(pair):
     _, ours = pair
     prompts = [list(range(2, 40)), list(range(5, 20))]
     whole = ed.generate(ours, prompts, max_new_tokens=6)
+    start = len(lowered())
     assert ed.generate(ours, prompts, max_new_tokens=6, prefill_chunk=8) == whole
+    # Five chunks, one program (the cache starts committed, as the chunks leave it).
+    assert lowered()[start:].count("jit(_prefill_chunk)") == 1

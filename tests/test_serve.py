@@ -25,7 +25,7 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
-from helpers import PYTHONPATH, ROOT
+from helpers import PYTHONPATH, ROOT, lowered
 from test_readme import README, python_blocks
 
 import equinox_dsv4 as ed
@@ -50,17 +50,6 @@ CALL_TEXT = (
     '<｜DSML｜invoke name="get_weather">\n'
     '<｜DSML｜parameter name="location" string="true">Oslo</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
-)
-
-
-# Programs lowered in this process: one for each miss of a jitted function's cache (a new trace,
-# or arguments with other shapes, shardings or commitment), whether or not the persistent
-# compilation cache then holds it. Serving must add none once the engine is warm.
-LOWERED = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, _, **__: (
-        LOWERED.append(1) if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" else None
-    )
 )
 
 
@@ -202,7 +191,7 @@ def test_concurrent_clients_get_what_generate_gives_alone(real, model):
     # Up to 29 tokens (two chunks) and 12 new ones: `generate` compiles one shape for all.
     prompts = [rng.integers(1, 1000, n).tolist() for n in rng.integers(3, 30, 16)]
     limits = rng.integers(1, 13, 16).tolist()
-    lowered = len(LOWERED)
+    programs = len(lowered())
     answers = [None] * 16
 
     def ask(i):
@@ -215,7 +204,7 @@ def test_concurrent_clients_get_what_generate_gives_alone(real, model):
         t.start()
     for t in threads:
         t.join()
-    assert len(LOWERED) == lowered
+    assert len(lowered()) == programs
     assert engine.health()["busy"] == 0
     for i, answer in enumerate(answers):
         expected = ed.generate(model, [prompts[i]], max_new_tokens=limits[i])[0]
@@ -273,7 +262,7 @@ def test_speculative_rows_give_what_generate_gives(model):
             time.sleep(0.05)
         return out
 
-    lowered = len(LOWERED)
+    programs = len(lowered())
     try:
         seeded = dict(temperature=1.0, top_k=3, seed=11)
         alone = run([(prompts[0], seeded)])[0][0]
@@ -281,7 +270,7 @@ def test_speculative_rows_give_what_generate_gives(model):
         answers = run([(p, {}) for p in prompts])
         counts = {k: engine.health()[k] - before[k] for k in ("drafted", "accepted")}
         beside = run([(prompts[1], {}), (prompts[0], seeded)])[1][0]
-        assert len(LOWERED) == lowered
+        assert len(lowered()) == programs
     finally:
         engine.stop()
     stats = {}

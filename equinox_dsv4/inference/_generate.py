@@ -4,11 +4,11 @@ The prompts run in chunks through one jitted prefill step (one compiled program 
 prompt length), then one host loop runs one jitted step per iteration (fixed shapes, the caches
 donated): a plain step appends each running row's pending token and samples the next; with a
 drafter (`speculative="mtp"`: the MTP blocks, `_drafting.py`; `"dspark"`: the DSpark
-drafter, `_dspark.py`) a step verifies the pending token
-and the drafts in one main-model call and drafts again. The loop owns stops, length limits,
-the streaming callback and the statistics. Prompts of different lengths share a batch: each
-sequence keeps its own position in the cache (no left padding, which would shift the
-position-based compression windows), and a finished sequence stops advancing.
+drafter, `_dspark.py`) a step verifies the pending token and the drafts in one main-model
+call and drafts again. The loop owns stops, length limits, the streaming callback and the
+statistics. Prompts of different lengths share a batch: each sequence keeps its own position
+in the cache (no left padding, which would shift the position-based compression windows), and
+a finished sequence stops advancing.
 """
 
 import contextlib
@@ -184,19 +184,20 @@ def generate(
     policy = model.resolved_policy()
 
     def place(cache: KVCache) -> KVCache:
-        return cache if mesh is None else shard_cache(cache, mesh)
+        # Committed as the steps' outputs are (else the first prefill chunk compiles apart).
+        return committed(cache) if mesh is None else shard_cache(cache, mesh)
 
     depth = 0 if drafter is None else drafter.depth(model)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         # Room for the drafts verified past the last kept token.
         cache = place(model.init_cache(batch, max_len + depth, rewind=depth))
-        drafts = None
+        drafts = draft_key = None
         if drafter is None:
             key, prefill_key = jax.random.split(key)
-            draft_key = None
         else:
             key, prefill_key, draft_key = jax.random.split(key, 3)
             drafts = drafter.init(model, batch, max_len + depth, sampling, place)
+            drafts = committed(drafts) if mesh is None else drafts
         # Unchecked, as `prefill(..., checked=False)` (no host callback, so its programs are
         # cached across processes): the prompts fit `max_len` (checked above) in a fresh
         # cache, and the loop stops each row before the cache is full.
