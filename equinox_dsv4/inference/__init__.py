@@ -26,6 +26,7 @@ from ._sampling import (
     filtered_rows as filtered_rows,
     sample as sample,
     sample_rows as sample_rows,
+    split_keys as split_keys,
 )
 from ._sizes import cache_bytes as cache_bytes, cache_bytes_per_token as cache_bytes_per_token
 
@@ -47,6 +48,7 @@ __all__ = [
     "sample_rows",
     "filtered_rows",
     "draw_rows",
+    "split_keys",
     "accept_drafts",
     "cache_bytes",
     "cache_bytes_per_token",

@@ -181,6 +181,7 @@ def draw_rows(
     return jax.lax.cond(jnp.any(sampled), draw, lambda: (greedy, one_hot))
 
 
+@typechecked
 def split_keys(key: PRNGKeyArray | Key[Array, " batch"], n: int) -> tuple[Array, ...]:
     """`jax.random.split(key, n)` for one key, or for each of a batch of keys (the `i`-th of
     the result then a batch too)."""

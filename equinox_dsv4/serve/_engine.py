@@ -26,10 +26,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from ..inference import AbstractDrafter, drafter_for
+from ..inference import AbstractDrafter, SamplingRows, drafter_for
 from ..nn import DeepseekV4, KVCache
 from ..parallel import committed, shard_cache
 from ._steps import (
@@ -355,10 +356,10 @@ class Engine:
         r.finish(reason)
         return True
 
-    def _sampling(self) -> tuple[np.ndarray, ...]:
-        # Each row's sampling, and its PRNG stream's position (its request's seed, and the
-        # number of tokens it has drawn: a request draws the same tokens in any row and beside
-        # any others).
+    def _sampling(self, index: np.ndarray | None = None) -> tuple[SamplingRows, np.ndarray]:
+        # Each row's sampling (of rows `index` only, if given), and its PRNG stream's position
+        # (its request's seed, and the number of tokens it has drawn: a request draws the same
+        # tokens in any row and beside any others).
         temperature = np.zeros(self.slots, np.float32)
         top_k = np.zeros(self.slots, np.int32)
         top_p = np.ones(self.slots, np.float32)
@@ -367,7 +368,9 @@ class Engine:
             if r is not None:
                 temperature[r.slot], top_k[r.slot], top_p[r.slot] = r.temperature, r.top_k, r.top_p
                 seeds[r.slot] = (r.seed % 2**31, r.produced)
-        return temperature, top_k, top_p, seeds
+        rows = slice(None) if index is None else index
+        sampling = SamplingRows(*(jnp.asarray(a[rows]) for a in (temperature, top_k, top_p)))
+        return sampling, seeds[rows]
 
     def _prefill(
         self,
@@ -378,11 +381,11 @@ class Engine:
         index: np.ndarray,
     ) -> np.ndarray:
         self.counts["prefill_steps"] += 1
-        sampling = [a[index] for a in self._sampling()]
+        sampling, seeds = self._sampling(index)
         if self.drafter is None:
             counts = np.minimum(remaining, self.chunk)
             token, self.cache = prefill_step(
-                self.model, self.policy, ids, counts, fresh, index, self.cache, *sampling
+                self.model, self.policy, ids, counts, fresh, index, self.cache, sampling, seeds
             )
         else:
             token, self.cache, self.drafts = speculative_prefill_step(
@@ -396,16 +399,18 @@ class Engine:
                 index,
                 self.cache,
                 self.drafts,
-                *sampling,
+                sampling,
+                seeds,
             )
         return np.asarray(token)
 
     def _decode(self, pending: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # Each row's new tokens, `tokens[b, :counts[b]]`.
         self.counts["decode_steps"] += 1
+        sampling, seeds = self._sampling()
         if self.drafter is None:
             token, self.cache = decode_step(
-                self.model, self.policy, pending, active, self.cache, *self._sampling()
+                self.model, self.policy, pending, active, self.cache, sampling, seeds
             )
             return np.asarray(token)[:, None], active
         tokens, counts, self.cache, self.drafts = speculative_decode_step(
@@ -416,6 +421,7 @@ class Engine:
             active,
             self.cache,
             self.drafts,
-            *self._sampling(),
+            sampling,
+            seeds,
         )
         return jax.device_get((tokens, counts))

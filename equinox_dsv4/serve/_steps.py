@@ -6,10 +6,16 @@ runs). Every step's shapes are fixed by the engine, so each compiles once."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Int
 
 from ..execution import Policy, with_policy
-from ..inference import AbstractDrafter, SamplingRows, sample_rows, speculative_step
+from ..inference import (
+    AbstractDrafter,
+    SamplingRows,
+    sample_rows,
+    speculative_step,
+    split_keys,
+)
 from ..nn import DeepseekV4, KVCache
 
 
@@ -32,9 +38,7 @@ def prefill_step(
     fresh: Int[Array, " lanes"],
     index: Int[Array, " lanes"],
     cache: KVCache,
-    temperature: Float[Array, " lanes"],
-    top_k: Int[Array, " lanes"],
-    top_p: Float[Array, " lanes"],
+    sampling: SamplingRows,
     seeds: Int[Array, "lanes 2"],
 ) -> tuple[Int[Array, " lanes"], KVCache]:
     # The next chunk of the rows in the lanes (row `index[i]`: `counts[i]` tokens; 0 leaves it
@@ -44,8 +48,7 @@ def prefill_step(
     part = cache.take_rows(index)
     part = part.at_positions(jnp.where(fresh > 0, 0, part.positions))
     logits, part = model.decode_inline(ids, part, counts, last_only=True, checked=False)
-    rows = SamplingRows(temperature, top_k, top_p)
-    token = sample_rows(logits[:, 0], _keys(seeds), rows, policy=policy)
+    token = sample_rows(logits[:, 0], _keys(seeds), sampling, policy=policy)
     return token, cache.put_rows(index, part)
 
 
@@ -56,16 +59,13 @@ def decode_step(
     pending: Int[Array, " batch"],
     active: Int[Array, " batch"],
     cache: KVCache,
-    temperature: Float[Array, " batch"],
-    top_k: Int[Array, " batch"],
-    top_p: Float[Array, " batch"],
+    sampling: SamplingRows,
     seeds: Int[Array, "batch 2"],
 ) -> tuple[Int[Array, " batch"], KVCache]:
     # Each active row's pending token appended; the next one sampled.
     model = with_policy(model, policy)
     logits, cache = model.decode_inline(pending[:, None], cache, active, False, checked=False)
-    rows = SamplingRows(temperature, top_k, top_p)
-    return sample_rows(logits[:, 0], _keys(seeds), rows, policy=policy), cache
+    return sample_rows(logits[:, 0], _keys(seeds), sampling, policy=policy), cache
 
 
 @eqx.filter_jit(donate="all-except-first")
@@ -80,9 +80,7 @@ def speculative_prefill_step(
     index: Int[Array, " lanes"],
     cache: KVCache,
     drafts: object,
-    temperature: Float[Array, " lanes"],
-    top_k: Int[Array, " lanes"],
-    top_p: Float[Array, " lanes"],
+    sampling: SamplingRows,
     seeds: Int[Array, "lanes 2"],
 ) -> tuple[Int[Array, " lanes"], KVCache, object]:
     # `prefill_step` feeding the drafter too (`remaining[i]`: the lane's prompt tokens from
@@ -96,13 +94,11 @@ def speculative_prefill_step(
     x, part, _, taps = model.step(ids, part, count, in_place=True, taps=drafter.taps(model))
     last = jnp.take_along_axis(x, jnp.maximum(count - 1, 0)[:, None, None, None], axis=1)
     state = drafter.prefill(model, x, taps, ahead, remaining, state)
-    rows = SamplingRows(temperature, top_k, top_p)
-    keys = jax.vmap(jax.random.split)(_keys(seeds))
-    sample_key, draft_key = keys[:, 0], keys[:, 1]
-    token = sample_rows(model.logits(last)[:, 0], sample_key, rows, policy=policy)
+    sample_key, draft_key = split_keys(_keys(seeds), 2)
+    token = sample_rows(model.logits(last)[:, 0], sample_key, sampling, policy=policy)
     # Only the lanes whose prompt ends here draft (an idle row's drafter state is unchanged).
     ends = ((remaining > 0) & (remaining <= ids.shape[1])).astype(jnp.int32)
-    state = drafter.draft(model, last, None, ends, token[:, None], state, draft_key, rows)
+    state = drafter.draft(model, last, None, ends, token[:, None], state, draft_key, sampling)
     return token, cache.put_rows(index, part), _put(drafts, index, state)
 
 
@@ -115,17 +111,14 @@ def speculative_decode_step(
     active: Int[Array, " batch"],
     cache: KVCache,
     drafts: object,
-    temperature: Float[Array, " batch"],
-    top_k: Int[Array, " batch"],
-    top_p: Float[Array, " batch"],
+    sampling: SamplingRows,
     seeds: Int[Array, "batch 2"],
 ) -> tuple[Int[Array, "batch depth_plus_one"], Int[Array, " batch"], KVCache, object]:
     # Each active row's pending token and drafts verified, the accepted ones and one more
     # token kept (`tokens[b, :counts[b]]`), and the next drafts.
     model = with_policy(model, policy)
-    rows = SamplingRows(temperature, top_k, top_p)
     tokens, counts, _, cache, drafts = speculative_step(
-        model, drafter, pending, active, cache, drafts, _keys(seeds), rows
+        model, drafter, pending, active, cache, drafts, _keys(seeds), sampling
     )
     return tokens, counts, cache, drafts
 
