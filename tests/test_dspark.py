@@ -489,7 +489,7 @@ def test_dspark_sampling_draws_the_plain_distribution():
 
     out = ed.generate(
         model, [prompt] * n, max_new_tokens=2, sampling=s, key=jax.random.key(1),
-        speculative="dspark",
+        speculative="dspark", max_len=8,
     )  # fmt: skip
     assert_draws_from(out, exact, wrong)
 

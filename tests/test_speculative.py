@@ -410,6 +410,7 @@ def test_speculative_sampling_draws_the_plain_distribution():
         sampling=s,
         key=jax.random.key(1),
         speculative=True,
+        max_len=8,
     )
     assert_draws_from(out, exact, wrong)
 
