@@ -410,7 +410,7 @@ def test_speculative_sampling_draws_the_plain_distribution():
         sampling=s,
         key=jax.random.key(1),
         speculative=True,
-        max_len=8,
+        max_len=8,  # the prompt and two tokens: the rows prefill 8 columns, not the default 32
     )
     assert_draws_from(out, exact, wrong)
 
