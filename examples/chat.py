@@ -125,9 +125,11 @@ def describe(call: dict[str, Any]) -> str:
 
 
 class Replier:
-    """Generates a reply to a prompt, streaming its text to `out`."""
+    """Generates a reply to a prompt, streaming its text to `out` (default: `sys.stdout` as it
+    is when the replier is made, so that a redirection of it holds)."""
 
-    def __init__(self, model: ed.DeepseekV4, args: argparse.Namespace, out=sys.stdout):
+    def __init__(self, model: ed.DeepseekV4, args: argparse.Namespace, out=None):
+        out = sys.stdout if out is None else out
         self.model, self.args, self.out = model, args, out
         self.sampling = sampling(args)
         self.key = jax.random.key(args.seed)

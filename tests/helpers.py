@@ -1,11 +1,16 @@
-"""What many test files share: running a script in a fresh process, the tolerances parity is
-held to, and the compiler setting the suite's processes compile with."""
+"""What many test files share: running a script in a fresh process (or through its `main` in
+this one), the tolerances parity is held to, and the compiler setting the suite's processes
+compile with."""
 
+import contextlib
+import importlib
+import io
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -97,6 +102,49 @@ def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProces
     """`result`, after asserting that it exited 0 (else the end of its stderr is the message)."""
     assert result.returncode == 0, result.stderr[-6000:]
     return result
+
+
+def _print_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def run_main(script: str, *args, input: str | None = None) -> subprocess.CompletedProcess:
+    """`python script *args` (a path such as `examples/generate.py`), or `python -m script *args`
+    (a package such as `convert`, whose `__main__` is guarded), run in this process through the
+    script's `main(argv)`: what `run_python` returns, without a process start, and with the
+    programs this worker already traced at hand. Its output is captured; its warnings are
+    printed to its stderr as a fresh process prints them, not raised as the suite's filter
+    would; `input` is its stdin. For what only a process shows (exit by a signal, a setting
+    made before JAX starts, memory mappings, the `__main__` line), `run_python`."""
+    if script.endswith(".py"):
+        path = ROOT / script
+        sys.path.insert(0, str(path.parent))
+        try:
+            module = importlib.import_module(path.stem)
+        finally:
+            sys.path.remove(str(path.parent))
+        assert pathlib.Path(module.__file__).resolve() == path, module.__file__
+    else:
+        module = importlib.import_module(f"{script}.__main__")
+    argv = list(map(str, args))
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("always")
+        # pytest records warnings through its own `showwarning`: this one prints them.
+        warnings.showwarning = _print_warning
+        saved_stdin, sys.stdin = sys.stdin, io.StringIO(input or "")
+        try:
+            status = module.main(argv)
+        except SystemExit as e:  # argparse's errors and --help
+            status = e.code
+        finally:
+            sys.stdin = saved_stdin
+    out, err = stdout.getvalue(), stderr.getvalue()
+    return subprocess.CompletedProcess([script, *argv], status, out, err)
 
 
 # 8- and 4-bit float types in a program's MLIR text (f8E4M3FN, f8E8M0FNU, f4E2M1FN, ...).

@@ -13,7 +13,7 @@ import sys
 import types
 
 import pytest
-from helpers import ROOT, run_python
+from helpers import ROOT, run_main
 
 import equinox_dsv4 as ed
 
@@ -425,11 +425,10 @@ def test_chat_example_through_stdin():
     the printed prompt holds both turns in the release's format. The first prompt, the sampling
     and the cache length are test_generate's example run's, whose compiled programs this run
     then finds in the session's compilation cache."""
-    result = run_python(
+    result = run_main(
         "examples/chat.py",
         *("--max-new-tokens", "5", "--temperature", "0.7", "--max-len", "64"),
         input="What is the capital of France?\n/think\nAnd of Spain?\n/prompt\n",
-        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "RANDOM weights" in result.stderr and "Traceback" not in result.stderr

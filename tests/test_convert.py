@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import COMPONENT, LOGITS, run_python
+from helpers import COMPONENT, LOGITS, run_main
 from hf_reference import C, H, S, reference_logits, reference_model, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 from release_layout import hf_state_from_canonical, write_release_checkpoint
@@ -278,7 +278,7 @@ def test_cli(release, tmp_path):
 
 
 def _cli(*args):
-    return run_python("-m", "convert", *args)
+    return run_main("convert", *args)
 
 
 # ---------------------------------------------------------------------------------------------

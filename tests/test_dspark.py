@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dspark_reference import Drafter, trunk_taps
-from helpers import COMPONENT, assert_close, assert_draws_from, run_python, succeeded
+from helpers import COMPONENT, assert_close, assert_draws_from, run_main, succeeded
 from hf_reference import C, H, S, abstract, random_fill, reference_model, tiny_config
 from release_layout import write_release_checkpoint
 
@@ -167,7 +167,7 @@ def test_release_layout_converts_and_loads(release, tmp_path):
     _same_leaves(sharded, exact)
     # The CLI's output loads with the library, in the release's numerics (its default).
     out = tmp_path / "out"
-    succeeded(run_python("-m", "convert", str(path), str(out), "--quiet", "--dtype", "float32"))
+    succeeded(run_main("convert", str(path), str(out), "--quiet", "--dtype", "float32"))
     converted = ed.load(out)
     assert converted.config.dspark_stages == 3 and converted.config.numerics == "release"
     _same_leaves(converted, exact)
@@ -212,7 +212,7 @@ def test_release_layout_without_the_drafter(release, tmp_path):
     message = str(info.value)
     assert "mtp.0.main_proj.weight" in message and "DSpark" in message
     assert "load_mtp=False" in message and "--no-mtp" in message
-    result = run_python("-m", "convert", str(bare), str(tmp_path / "out"), "--quiet")
+    result = run_main("convert", str(bare), str(tmp_path / "out"), "--quiet")
     assert result.returncode == 1 and "--no-mtp" in result.stderr
     assert not (tmp_path / "out").exists()
     assert convert.load_hf(bare, load_mtp=False).dspark is None
@@ -502,7 +502,7 @@ def test_dspark_sampling_draws_the_plain_distribution():
 
 def test_example_script_dspark():
     result = succeeded(
-        run_python(
+        run_main(
             "examples/generate.py",
             "--speculative",
             "dspark",

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import lowered, run_python
+from helpers import lowered, run_main
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -172,7 +172,7 @@ def test_chat_format_and_tokenizer():
 
 
 def _example(*args):
-    return run_python("examples/generate.py", *args)
+    return run_main("examples/generate.py", *args)
 
 
 # The two runs below compile the same programs (the same weights' shapes, sampling and cache

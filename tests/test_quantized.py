@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import COMPONENT, run_python, succeeded
+from helpers import COMPONENT, run_main, succeeded
 from hf_reference import C, H, S, reference_model, tiny_config
 from release_layout import (
     dequantize_fp4,
@@ -199,9 +199,9 @@ def test_decode_of_the_quantized_model_equals_its_forward(models):
 def test_convert_quantized_then_load(release, models, tmp_path):
     quantized, _ = models
     out = tmp_path / "converted"
-    args = ["-m", "convert", release, out, "--quantized", "--dtype", "float32"]
-    succeeded(run_python(*args, "--numerics", "exact"))
-    help_text = succeeded(run_python("-m", "convert", "--help")).stdout
+    args = [release, out, "--quantized", "--dtype", "float32"]
+    succeeded(run_main("convert", *args, "--numerics", "exact"))
+    help_text = succeeded(run_main("convert", "--help")).stdout
     assert "--quantized" in help_text
 
     def same(a, b):

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import transformers
-from helpers import ROOT, SAME, run_python, succeeded
+from helpers import ROOT, SAME, run_main, run_python, succeeded
 from hf_reference import hf_config, randomize
 
 import equinox_dsv4 as ed
@@ -140,7 +140,7 @@ def test_eager_decode_loop(tmp_path):
 
 
 def _example(script: str, *args) -> subprocess.CompletedProcess:
-    return run_python(f"examples/{script}", *args)
+    return run_main(f"examples/{script}", *args)
 
 
 def test_generate_example_hf(hf_tiny):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import COMPONENT, LOGITS, assert_draws_from, run_python, succeeded
+from helpers import COMPONENT, LOGITS, assert_draws_from, run_main, succeeded
 from hf_reference import abstract, random_fill
 from test_decode import CONFIGS as DECODE_CONFIGS
 
@@ -419,6 +419,6 @@ def test_example_script_speculative():
     # The embedded default's first three layers with its MTP block (random weights: drafts are
     # rejected).
     args = ("--speculative", "--layers", "3", "--max-new-tokens", "6")
-    result = succeeded(run_python("examples/generate.py", *args))
+    result = succeeded(run_main("examples/generate.py", *args))
     assert "drafts accepted" in result.stderr, result.stderr
     assert "tokens per main-model call" in result.stderr

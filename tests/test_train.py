@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import COMPONENT, ROOT, run_python, succeeded
+from helpers import COMPONENT, ROOT, run_main, succeeded
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -367,15 +367,15 @@ def test_example_train_script(tmp_path):
     cmd += ["--remat", "none", "--micro-batches", "2"]  # the resume is under test, not remat
     # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
     # so the second process's step is the first's, from the session's compilation cache.)
-    first = succeeded(run_python(*cmd, "--stop-after", "4"))
+    first = succeeded(run_main(*cmd, "--stop-after", "4"))
     assert (run / "train_state" / "train_state.json").is_file()
     assert "tokens/s" in first.stderr and "trained steps 0..4 of 6" in first.stderr
     assert "LoRA: rank 4" in first.stderr and f"adapter in {run / 'adapter'}" in first.stderr
-    again = succeeded(run_python(*cmd))
+    again = succeeded(run_main(*cmd))
     assert "resumed at step 4" in again.stderr and "trained steps 4..6 of 6" in again.stderr
     saved = sorted(p.name for p in (run / "adapter").iterdir())
     assert saved[:2] == ["adapter_config.json", "adapter_model.safetensors"]
     assert not (run / "model").exists()
     cmd = ["examples/generate.py", "--layers", "1", "--quantized", "--lora", run / "adapter"]
-    generated = succeeded(run_python(*cmd, "--max-new-tokens", "4"))
+    generated = succeeded(run_main(*cmd, "--max-new-tokens", "4"))
     assert f"adapter: {run / 'adapter'}" in generated.stderr
