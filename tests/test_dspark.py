@@ -254,8 +254,11 @@ def test_greedy_dspark_equals_plain_greedy(setup):
     model = _few_tokens(setup[2])
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in range(1, 41)]
-    # Prompts of up to 40 in chunks of 16: the rings take the prompts in three chunks.
-    plain = ed.generate(model, prompts, max_new_tokens=64, prefill_chunk=16)
+    # Prompts of up to 40 in chunks of 16: the rings take the prompts in three chunks. Rows
+    # end at max_len (128: prompt 40 at 88 tokens) or at 100 new tokens; greedy rows are
+    # independent, so each row's first 64 are what 64 new tokens give.
+    longest = ed.generate(model, prompts, max_new_tokens=100, prefill_chunk=16, max_len=128)
+    plain = [row[:64] for row in longest]
     drafter, stats = _Watched(_Count()), {}
     spec = ed.generate(
         model, prompts, max_new_tokens=64, speculative=drafter, stats=stats, prefill_chunk=16
@@ -278,10 +281,7 @@ def test_greedy_dspark_equals_plain_greedy(setup):
         ({"max_new_tokens": 64, "stop_tokens": [stop]}, (64, None)),
     ):
         seen, stats = [], {}
-        if "stop_tokens" in kwargs:
-            expected = stopped
-        else:
-            expected = ed.generate(model, prompts, prefill_chunk=16, max_len=128, **kwargs)
+        expected = stopped if "stop_tokens" in kwargs else longest
         spec = ed.generate(
             model,
             prompts,
