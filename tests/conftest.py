@@ -74,7 +74,7 @@ def _release_compiled_code():
 
 
 # The longest files, and the files whose tests run together (below), start first; the many
-# short tests then even out the two workers' ends.
+# short tests then even out the workers' ends.
 _FIRST = (
     "test_readme.py",
     "test_multihost.py",
