@@ -248,9 +248,9 @@ def _few_tokens(model, keep: int = 2):
 
 
 def test_greedy_dspark_equals_plain_greedy(setup):
-    # Prompts of 1..40 tokens in one batch (shorter and longer than the ring of 8), 64 new
-    # tokens each; the step traced once (the drafter drafts in two programs: after the prefill
-    # and in the step).
+    # Prompts of 1..40 tokens in one batch (shorter and longer than the ring of 8), up to 100
+    # new tokens each; the step traced once (the drafter drafts in two programs: after the
+    # prefill and in the step).
     model = _few_tokens(setup[2])
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in range(1, 41)]
@@ -259,29 +259,18 @@ def test_greedy_dspark_equals_plain_greedy(setup):
     # independent, so each row's first 64 are what 64 new tokens give.
     longest = ed.generate(model, prompts, max_new_tokens=100, prefill_chunk=16, max_len=128)
     plain = [row[:64] for row in longest]
-    drafter, stats = _Watched(_Count()), {}
-    spec = ed.generate(
-        model, prompts, max_new_tokens=64, speculative=drafter, stats=stats, prefill_chunk=16
-    )
-    assert drafter.traced.n == 2 and stats["steps"] > 2
-    for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
-    assert stats["tokens"] == 40 * 64
-    assert sum(stats["histogram"]) * 5 == stats["drafted"]
-    assert all(count > 0 for count in stats["histogram"]), stats  # 0 .. 5 accepted
-    assert 0 < stats["confidence_rejected"] < 1 and 0 < stats["confidence_accepted"] < 1
-    # The same programs: rows ending at max_len (128), at a stop token, or at max_new_tokens,
-    # also inside a step's accepted tokens; the callback streams the same tokens.
+    drafter = _Watched(_Count())
+    # Rows ending at max_len (128), at a stop token, or at max_new_tokens, also inside a step's
+    # accepted tokens; the callback streams the same tokens.
     stop = plain[0][6]
     # Greedy rows are independent: with the stop token, plain generation gives each row's
     # tokens before its first stop.
     stopped = [row[: row.index(stop)] if stop in row else row for row in plain]
-    for kwargs, ends in (
-        ({"max_new_tokens": 100}, (100, 128 - 40)),  # prompt 1 at 100 tokens, prompt 40 at 128
-        ({"max_new_tokens": 64, "stop_tokens": [stop]}, (64, None)),
+    for kwargs, expected in (
+        ({"max_new_tokens": 100}, longest),  # prompt 1 at 100 tokens, prompt 40 at 128
+        ({"max_new_tokens": 64, "stop_tokens": [stop]}, stopped),
     ):
         seen, stats = [], {}
-        expected = stopped if "stop_tokens" in kwargs else longest
         spec = ed.generate(
             model,
             prompts,
@@ -292,12 +281,17 @@ def test_greedy_dspark_equals_plain_greedy(setup):
             stats=stats,
             **kwargs,
         )
-        assert spec == expected, kwargs
+        for row, (a, b) in enumerate(zip(expected, spec, strict=True)):
+            assert a == b, (kwargs, row, f"first difference at {np.argmin(np.equal(a, b))}")
         assert [[int(t[b]) for t, r in seen if r[b]] for b in range(len(prompts))] == spec
-        if ends[1] is None:
+        assert stats["tokens"] == sum(map(len, spec)) and stats["steps"] > 2
+        if "stop_tokens" in kwargs:
             assert len(spec[0]) == plain[0].index(stop) < 64
         else:
-            assert (len(spec[0]), len(spec[-1])) == ends
+            assert (len(spec[0]), len(spec[-1])) == (100, 128 - 40)
+            assert sum(stats["histogram"]) * 5 == stats["drafted"]
+            assert all(count > 0 for count in stats["histogram"]), stats  # 0 .. 5 accepted
+            assert 0 < stats["confidence_rejected"] < 1 and 0 < stats["confidence_accepted"] < 1
     assert drafter.traced.n == 2  # the same programs throughout
     # The server's engine drafting per row (16 slots, rows reused, each row's drafter state
     # taken and put back by the prefill steps): the last run's tokens, and its drafts (as
