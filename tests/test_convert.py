@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import COMPONENT, LOGITS, run_main
+from helpers import COMPONENT, LOGITS, run_main, run_python, succeeded
 from hf_reference import C, H, S, reference_logits, reference_model, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 from release_layout import hf_state_from_canonical, write_release_checkpoint
@@ -273,7 +273,8 @@ def test_cli(release, tmp_path):
     model = ed.load(out)
     assert model.config.num_hidden_layers == 3 and not model.mtp
     assert model.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.float32
-    help_text = _cli("--help").stdout
+    # `python -m convert` as a process (the others run its `main` in this one).
+    help_text = succeeded(run_python("-m", "convert", "--help")).stdout
     assert "--no-mtp" in help_text and "--layers" in help_text
 
 

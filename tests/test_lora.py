@@ -448,6 +448,7 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
 
 
 def test_example_lora_options_are_checked():
-    # The script trains with adapters in tests/test_train.py::test_example_train_script.
+    # The script trains with adapters in tests/test_train.py::test_example_train_script
+    # (through its `main`); here it runs as a process, as users start it.
     refused = run_python("examples/train.py", "--lora-alpha", "8", "--steps", "1")
     assert refused.returncode != 0 and "need --lora RANK" in refused.stderr
