@@ -19,8 +19,9 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 # One persistent compilation cache per test session, made by the first process (pytest's, or
-# xdist's controller) and inherited by the workers and by the subprocesses the tests start
-# (examples, README): a program they compile alike is compiled once.
+# xdist's controller) and inherited by the workers and by the processes the tests start (the
+# README's blocks, several processes, the server): a program they compile alike is compiled
+# once.
 # Every program into it, not only those that took a second to compile: the workers and the
 # subprocesses compile many of the same small ones.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

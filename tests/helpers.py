@@ -112,10 +112,38 @@ def run_main(script: str, *args, input: str | None = None) -> subprocess.Complet
     """`python script *args` (a path such as `examples/generate.py`), or `python -m script *args`
     (a package such as `convert`, whose `__main__` is guarded), run in this process through the
     script's `main(argv)`: what `run_python` returns, without a process start, and with the
-    programs this worker already traced at hand. Its output is captured; its warnings are
-    printed to its stderr as a fresh process prints them, not raised as the suite's filter
-    would; `input` is its stdin. For what only a process shows (exit by a signal, a setting
-    made before JAX starts, memory mappings, the `__main__` line), `run_python`."""
+    programs this worker already traced at hand. Its output is captured (its import's too);
+    its warnings are printed to its stderr, every time, not raised as the suite's filter would;
+    `input` is its stdin; the exit status is a process's (`None` is 0, a message is 1). For
+    what only a process shows (exit by a signal, a setting made before JAX starts, memory
+    mappings, the `__main__` line), `run_python`."""
+    argv = list(map(str, args))
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("always")
+        # Printed, not handed to pytest's recorder.
+        warnings.showwarning = _print_warning
+        saved_stdin, sys.stdin = sys.stdin, io.StringIO(input or "")
+        try:
+            status = _import_main(script)(argv)
+        except SystemExit as e:  # argparse's errors and --help
+            status = e.code
+        finally:
+            sys.stdin = saved_stdin
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):
+        print(status, file=stderr)
+        status = 1
+    out, err = stdout.getvalue(), stderr.getvalue()
+    return subprocess.CompletedProcess([script, *argv], status, out, err)
+
+
+def _import_main(script: str):
     if script.endswith(".py"):
         path = ROOT / script
         sys.path.insert(0, str(path.parent))
@@ -126,25 +154,7 @@ def run_main(script: str, *args, input: str | None = None) -> subprocess.Complet
         assert pathlib.Path(module.__file__).resolve() == path, module.__file__
     else:
         module = importlib.import_module(f"{script}.__main__")
-    argv = list(map(str, args))
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with (
-        contextlib.redirect_stdout(stdout),
-        contextlib.redirect_stderr(stderr),
-        warnings.catch_warnings(),
-    ):
-        warnings.simplefilter("always")
-        # pytest records warnings through its own `showwarning`: this one prints them.
-        warnings.showwarning = _print_warning
-        saved_stdin, sys.stdin = sys.stdin, io.StringIO(input or "")
-        try:
-            status = module.main(argv)
-        except SystemExit as e:  # argparse's errors and --help
-            status = e.code
-        finally:
-            sys.stdin = saved_stdin
-    out, err = stdout.getvalue(), stderr.getvalue()
-    return subprocess.CompletedProcess([script, *argv], status, out, err)
+    return module.main
 
 
 # 8- and 4-bit float types in a program's MLIR text (f8E4M3FN, f8E8M0FNU, f4E2M1FN, ...).

@@ -421,7 +421,7 @@ def test_chat_example_picks_the_checkpoints_revision(tmp_path, monkeypatch, caps
 
 
 def test_chat_example_through_stdin():
-    """Two turns on the embedded default through a pipe, with the thinking toggle and /prompt:
+    """Two turns on the embedded default through stdin, with the thinking toggle and /prompt:
     the printed prompt holds both turns in the release's format. The first prompt, the sampling
     and the cache length are test_generate's example run's, whose compiled programs this run
     then finds in the session's compilation cache."""

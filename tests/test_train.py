@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import COMPONENT, ROOT, run_main, succeeded
+from helpers import ROOT, run_main, succeeded
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -310,7 +310,7 @@ def test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device()
         acc, m2 = step(ed.init_train_state(ed.shard(model, mesh), opt), batch)
     for name in ("loss", "lm", "mtp", "balance", "tokens"):
         np.testing.assert_allclose(m2[name], m1[name], rtol=2e-6, err_msg=name)
-    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(m2["grad_norm"], m1["grad_norm"], rtol=2e-6)
     assert float(m1["mtp"]) > 0 and float(m1["balance"]) > 0
     for a, b in zip(m1["load"], m2["load"], strict=True):
         np.testing.assert_array_equal(b, a)
@@ -319,7 +319,7 @@ def test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device()
         jax.tree.leaves(eqx.filter(acc.model, eqx.is_array)),
         strict=True,
     ):
-        np.testing.assert_allclose(b, a, **COMPONENT)
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
         ed.make_train_step(opt, micro_batches=3)(ed.init_train_state(model, opt), batch)
 
@@ -365,8 +365,8 @@ def test_example_train_script(tmp_path):
     cmd = ["examples/train.py", "--steps", "6", "--seq-len", "32", "--batch", "2"]
     cmd += ["--save-every", "2", "--out", run, "--layers", "1", "--lora", "4", "--quantized"]
     cmd += ["--remat", "none", "--micro-batches", "2"]  # the resume is under test, not remat
-    # Interrupted after 4 of 6 steps, then the same command resumes. (The schedule is the same,
-    # so the second process's step is the first's, from the session's compilation cache.)
+    # Interrupted after 4 of 6 steps, then the same command resumes (both through the script's
+    # `main`; its process start: tests/test_lora.py::test_example_lora_options_are_checked).
     first = succeeded(run_main(*cmd, "--stop-after", "4"))
     assert (run / "train_state" / "train_state.json").is_file()
     assert "tokens/s" in first.stderr and "trained steps 0..4 of 6" in first.stderr
