@@ -10,6 +10,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 import warnings
 
 import jax
@@ -129,7 +130,7 @@ def run_main(script: str, *args, input: str | None = None) -> subprocess.Complet
         warnings.showwarning = _print_warning
         saved_stdin, sys.stdin = sys.stdin, io.StringIO(input or "")
         try:
-            status = _import_main(script)(argv)
+            status = script_module(script).main(argv)
         except SystemExit as e:  # argparse's errors and --help
             status = e.code
         finally:
@@ -143,7 +144,10 @@ def run_main(script: str, *args, input: str | None = None) -> subprocess.Complet
     return subprocess.CompletedProcess([script, *argv], status, out, err)
 
 
-def _import_main(script: str):
+def script_module(script: str) -> types.ModuleType:
+    """The module of `script`: a path such as `examples/chat.py`, imported by its file name with
+    its folder on the path (as the script imports its siblings), or a package run with `-m`,
+    its `__main__` (which must be guarded)."""
     if script.endswith(".py"):
         path = ROOT / script
         sys.path.insert(0, str(path.parent))
@@ -154,7 +158,7 @@ def _import_main(script: str):
         assert pathlib.Path(module.__file__).resolve() == path, module.__file__
     else:
         module = importlib.import_module(f"{script}.__main__")
-    return module.main
+    return module
 
 
 # 8- and 4-bit float types in a program's MLIR text (f8E4M3FN, f8E8M0FNU, f4E2M1FN, ...).

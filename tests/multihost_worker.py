@@ -19,8 +19,6 @@ gathered arrays to `OUT/arrays.npz`. Steps:
   to stop it with an error).
 """
 
-import contextlib
-import io
 import json
 import os
 import pathlib
@@ -49,14 +47,10 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from helpers import run_main  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import convert  # noqa: E402
-from convert import __main__ as convert_cli  # noqa: E402
-
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-import generate as generate_script  # noqa: E402
 
 
 report: dict = {
@@ -67,12 +61,10 @@ report: dict = {
 arrays: dict[str, np.ndarray] = {}
 
 
-def script(main, argv: list[str]) -> dict:
-    """Exit status and output of a script's `main(argv)`, run here."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        status = main(argv)
-    return {"status": status, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+def script(name: str, argv: list[str]) -> dict:
+    """Exit status and output of a script's `main(argv)`, run here (`helpers.run_main`)."""
+    done = run_main(name, *argv)
+    return {"status": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
 
 
 def gathered(x) -> np.ndarray:
@@ -150,10 +142,10 @@ for step in spec["steps"]:
         arrays["saved_logits"] = gathered(logits(saved, ids))
     elif step == "convert":
         argv = [spec["release"], str(out / "converted"), "--dtype", "float32", "--no-mtp"]
-        report["convert"] = script(convert_cli.main, argv + spec["flags"])
+        report["convert"] = script("convert", argv + spec["flags"])
     elif step == "generate_script":
         argv = ["--max-new-tokens", "3", "--max-len", "48", "--layers", "1"]
-        report["generate_script"] = script(generate_script.main, argv + spec["flags"])
+        report["generate_script"] = script("examples/generate.py", argv + spec["flags"])
     elif step == "die":
         if process == 1:
             os._exit(3)

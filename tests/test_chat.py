@@ -6,14 +6,12 @@ encoder's source and revision). The encoder is not part of this repository.
 """
 
 import copy
-import importlib
 import io
 import json
-import sys
 import types
 
 import pytest
-from helpers import ROOT, run_main
+from helpers import ROOT, run_main, script_module
 
 import equinox_dsv4 as ed
 
@@ -200,11 +198,7 @@ def test_tokens_and_decoding():
 
 
 def _chat_module():
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        return importlib.import_module("chat")
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    return script_module("examples/chat.py")
 
 
 class _Scripted:
