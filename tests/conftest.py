@@ -91,6 +91,7 @@ _FIRST = (
     "test_numerics.py",
     "test_speculative.py",
     "test_dspark.py",
+    "test_serve.py",
 )
 # Tests that share a costly module fixture (or, for the TPU compiles, libtpu's one-process
 # lock) run on one worker; every other test goes to whichever worker is free.
