@@ -1,7 +1,7 @@
 """The package's own jaxtyping annotations, internal ones included, hold on its main paths.
 
-The public entry points check theirs at every call (`equinox_dsv4._typecheck`). Every other
-annotated function is checked here: one fresh process imports the package under jaxtyping's
+The public entry points check theirs at every call (a `TypeError` naming the argument). Every
+other annotated function is checked here: one fresh process imports the package under jaxtyping's
 import hook (beartype the checker) and traces, from shapes only (`eqx.filter_eval_shape`: the
 checks run at trace time, nothing compiles), the forward pass, the cached prefill and decode
 step, plain and speculative generation steps (MTP and DSpark drafters), and train steps of the
