@@ -43,18 +43,16 @@ PATHS = textwrap.dedent(
     lengths = jnp.array([12, 7], jnp.int32)
     greedy = ed.Sampling()
 
-    def shapes(fn, *args):
-        # Traced from shapes only: the annotations are checked, nothing is compiled.
-        return eqx.filter_eval_shape(fn, *args)
-
-    shapes(lambda m, x: m(x), model, ids)
+    # Every path below is traced from shapes only: the annotations are checked, nothing is
+    # compiled.
+    eqx.filter_eval_shape(lambda m, x: m(x), model, ids)
 
     def decode(m):
         cache = m.init_cache(batch=2, max_len=64)
         logits, cache = m.decode(ids, cache, num_tokens=lengths)
         return m.decode(ids[:, :1], cache)
 
-    shapes(decode, model)
+    eqx.filter_eval_shape(decode, model)
 
     def plain(m):
         cache = m.init_cache(batch=2, max_len=64)
@@ -66,7 +64,7 @@ PATHS = textwrap.dedent(
             m, first, active, cache, jax.random.key(2), greedy, checked=False
         )
 
-    shapes(plain, model)
+    eqx.filter_eval_shape(plain, model)
 
     def speculative(m, drafter):
         depth = drafter.depth(m)
@@ -77,17 +75,17 @@ PATHS = textwrap.dedent(
             m, drafter, pending, active, cache, drafts, jax.random.key(3), greedy
         )
 
-    shapes(lambda m: speculative(m, ed.inference.MTPDrafter()), model)
-    shapes(lambda m: speculative(m, ed.inference.DSparkDrafter()), spark)
+    eqx.filter_eval_shape(lambda m: speculative(m, ed.inference.MTPDrafter()), model)
+    eqx.filter_eval_shape(lambda m: speculative(m, ed.inference.DSparkDrafter()), spark)
 
     optimizer = ed.make_optimizer(1e-3, warmup_steps=1, total_steps=2)
     batch = ed.Batch.from_tokens(np.ones((2, 17), np.int32))
     adapted = lambda m: ed.lora.add(m, rank=2, alpha=4.0, key=jax.random.key(4))
     quantized = lambda m: ed.quant.quantize_model(m, block=(32, 32))
+    step = ed.make_train_step(optimizer, donate=False)
     for make in (lambda m: m, adapted, quantized):
-        state = shapes(lambda m: ed.init_train_state(make(m), optimizer), model)
-        step = ed.make_train_step(optimizer, donate=False)
-        shapes(step, state, batch)
+        state = eqx.filter_eval_shape(lambda m: ed.init_train_state(make(m), optimizer), model)
+        eqx.filter_eval_shape(step, state, batch)
     print("traced")
     """
 )
