@@ -90,13 +90,19 @@ def op_name(name: str, table: dict[str, Instruction], computations: dict) -> str
 
 def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -> int:
     """Bytes kernel `name` reads and writes: its operands and result, except that an operand
-    only sliced is charged its slices, and a buffer updated in place (a dynamic update slice)
-    its update, read and written."""
+    only sliced is charged its slices, and a buffer updated in place (a dynamic update slice,
+    or a scatter, as XLA's cost analysis counts them) its updates, read and written, and a
+    scatter's indices."""
     instruction = table[name]
     if instruction.opcode in _SLICES:
         return 2 * shape_bytes(instruction.shape)
     if instruction.opcode == "dynamic-update-slice":
         return 2 * _operand_bytes(instruction, 1, table)
+    if instruction.opcode == "scatter":
+        # Operands, indices, updates (k of each but the indices).
+        k = (len(instruction.operands) - 1) // 2
+        updates = sum(_operand_bytes(instruction, k + 1 + i, table) for i in range(k))
+        return _operand_bytes(instruction, k, table) + 2 * updates
     written = shape_bytes(instruction.shape)
     if instruction.opcode != "fusion":
         operands = range(len(instruction.operands))
@@ -112,6 +118,10 @@ def kernel_bytes(name: str, table: dict[str, Instruction], computations: dict) -
     if root.opcode == "dynamic-update-slice" and root.operands[0] in params:
         read[params[root.operands[0]]] = 0
         written = shape_bytes(table[root.operands[1]].shape)
+    if root.opcode == "scatter" and len(root.operands) == 3 and root.operands[0] in params:
+        # The updates are computed inside (their inputs are read above); only they are written.
+        read[params[root.operands[0]]] = 0
+        written = shape_bytes(table[root.operands[2]].shape)
     return sum(read.values()) + written
 
 
