@@ -209,6 +209,53 @@ def _decode_step_temporaries(model, max_len: int) -> int:
     return step.compile().memory_analysis().temp_size_in_bytes
 
 
+def _equations(jaxpr):
+    # Every equation of a jaxpr and of the jaxprs in its equations' parameters.
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_decode_gathers_the_picks_from_the_stacked_entries(scan):
+    # A decode step gathers each CSA layer's picked entries straight from the cache's stack.
+    # Sliced out of the stack first, each layer's entries were copied whole every step on the
+    # TPU (V4-Flash with a 1M-token cache: 10 of the step's 27.5 GiB per chip by the TPU
+    # compiler's count, benchmarks/tpu_roofline.py), as XLA did not fuse the slice into the
+    # gather.
+    config = tiny_config(
+        layer_types=(C, H) * 2,
+        num_hash_layers=0,
+        scan_min_repeats=2,
+        scan_layers=scan,
+        num_nextn_predict_layers=0,
+    )
+    model = abstract(ed.DeepseekV4, config)
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 4096), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    jaxpr = eqx.filter_make_jaxpr(lambda m, i, c: m.decode(i, c))(model, ids, cache)[0]
+    layer = (1, 4096 // config.compress_rate_csa, config.head_dim)  # one layer's entries
+    equations = list(_equations(jaxpr.jaxpr))
+    whole = [
+        e
+        for e in equations
+        if e.primitive.name in ("slice", "dynamic_slice") and e.outvars[0].aval.shape[-3:] == layer
+    ]
+    assert not whole, [str(e)[:200] for e in whole]
+    gathers = [
+        e
+        for e in equations
+        if e.primitive.name == "gather"
+        and e.invars[0].aval.shape[-3:] == layer
+        and e.invars[0].aval.ndim == 4
+    ]
+    assert gathers  # from the stack, [layers, batch, entries, head_dim]
+
+
 def test_bf16_cache_writes_do_not_convert_the_cache():
     # XLA:CPU ran a bf16 scatter in float32, converting each compressed cache there and back
     # every step: 825 KiB of temporaries here against 165 for float32. `set_rows` writes a

@@ -62,6 +62,7 @@ def attend(
     compressed: Float[Array, "batch entries head_dim"] | None = None,
     compressed_mask: Bool[Array, "batch seq entries"] | None = None,
     compressed_picks: Int[Array, "batch seq topk"] | None = None,
+    picked: Float[Array, "batch seq topk head_dim"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of a chunk of queries over their sliding window, plus compressed
     entries, plus a per-head sink.
@@ -70,7 +71,8 @@ def attend(
     chunk, oldest first; `prefix_valid` marks real ones) and sees the keys of the `window`
     positions ending at itself: from `prefix` and from `kv` (the chunk's own keys). Compressed
     entries are selected either densely (`compressed_mask`) or by index (`compressed_picks`,
-    `-1` for none), which gathers only the picked entries.
+    `-1` for none), which gathers only the picked entries, or takes them gathered already
+    (`picked`: the entries at `max(compressed_picks, 0)`; `compressed` is then not needed).
 
     Long chunks are processed in blocks of `window` queries, each against `2 * window` keys,
     so the cost is linear in the chunk length. Logits and softmax are float32; probabilities
@@ -112,10 +114,15 @@ def attend(
         return x.reshape(b, nb, bq, *x.shape[2:])
 
     # Per block: the compressed keys it may attend to and which are visible.
-    use_compressed = compressed is not None and compressed.shape[1] > 0
+    if compressed_picks is not None:
+        use_compressed = compressed_picks.shape[-1] > 0  # min(index_topk, entries) picks
+    else:
+        use_compressed = compressed is not None and compressed.shape[1] > 0
     if use_compressed and compressed_picks is not None:
-        assert compressed is not None
-        c_keys = blocked(_rows(compressed, jnp.maximum(compressed_picks, 0)))
+        if picked is None:
+            assert compressed is not None
+            picked = _rows(compressed, jnp.maximum(compressed_picks, 0))
+        c_keys = blocked(picked)
         c_valid = blocked(compressed_picks >= 0)
     elif use_compressed:
         assert compressed_mask is not None
@@ -286,21 +293,27 @@ class Attention(eqx.Module):
         ring = set_rows(cache.ring, chunk.ring_index(t, slots), kv, self.policy)
 
         compressor_state = indexer_state = None
-        compressed = mask = picks = None
+        compressed = mask = picks = picked = None
         if self.compressor is not None:
             assert cache.compressor is not None
             compressor_state = self.compressor.step(x, chunk, cache.compressor)
-            compressed = compressor_state.layer_entries
             if self.indexer is not None:
                 assert cache.indexer is not None
                 picks, indexer_state = self.indexer.step(x, qr, chunk, cache.indexer)
                 if t > GATHER_MAX_QUERIES:
+                    compressed = compressor_state.layer_entries
                     mask, picks = selection_mask(picks, compressed.shape[1]), None
+                else:
+                    # From the cache's stack in place: the layer's entries sliced out first
+                    # were a copy of all of them, per step, on the TPU (docs/design.md,
+                    # "Picked entries gathered for short chunks").
+                    picked = compressor_state.layer_rows(jnp.maximum(picks, 0))
             else:
+                compressed = compressor_state.layer_entries
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)
                 visible = visible_blocks(positions, self.compressor.ratio)
                 mask = entry[None, None, :] < visible[..., None]
-        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks)
+        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, picked)
         out = self.project_out(self.rope(o, positions, inverse=True))
         return out, LayerCache(ring, compressor_state, indexer_state)
 

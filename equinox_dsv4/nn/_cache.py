@@ -88,6 +88,17 @@ class CompressorState(eqx.Module):
             return self.entries
         return _index(self.entries, self.layer)
 
+    def layer_rows(
+        self, index: Int[Array, "batch seq picks"]
+    ) -> Float[Array, "batch seq picks head_dim"]:
+        """This layer's entries `index[b]` of each sequence `b` (in range), gathered from
+        the stack in place: `layer_entries` then a gather would copy the whole layer first."""
+        flat = index.reshape(index.shape[0], -1)
+        rows = jnp.arange(flat.shape[0], dtype=flat.dtype)[:, None]
+        at = (rows, flat) if self.layer is None else (self.layer, rows, flat)
+        out = self.entries.at[at].get(mode="promise_in_bounds")
+        return out.reshape(*index.shape, self.entries.shape[-1])
+
     def write_entries(
         self,
         index: tuple[Int[Array, "..."], Int[Array, "..."]],
