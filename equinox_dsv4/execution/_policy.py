@@ -75,6 +75,12 @@ class Policy:
       on every chip of its `expert` row, each on its share of the tokens, instead of on all
       of them alike. XLA moves what a chip needs across the split (the window and the
       compressed entries before its tokens).
+    - `picks_in_place`: a short chunk's (a decode step's) picked compressed entries are
+      gathered straight from the cache's stack where a CSA layer holds at least this many
+      entries per pick, else from the layer's entries sliced out of it (a copy of them all,
+      which XLA's TPU compiler does not fuse into the gather: with a long context, most of a
+      decode step's traffic). Below it the copy is small, and the TPU compiler offloads a
+      gather from the stack to its SparseCores and charges it the whole stack per layer.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow
@@ -95,6 +101,7 @@ class Policy:
     stationary_rows: int = 64
     stationary_tokens: int = 0
     split_chunks: int = 0
+    picks_in_place: int = 8
     rolled_sinkhorn: bool = False
 
     def __post_init__(self):
@@ -106,6 +113,7 @@ class Policy:
             "stationary_rows",
             "stationary_tokens",
             "split_chunks",
+            "picks_in_place",
         )
         for name in counts:
             value = getattr(self, name)

@@ -27,6 +27,7 @@ from ..execution import (
     grouped_linear,
     map_chunks,
     policy_field,
+    resolve,
     set_rows,
 )
 from ..quant import act_quant, kv_round_trip
@@ -300,14 +301,17 @@ class Attention(eqx.Module):
             if self.indexer is not None:
                 assert cache.indexer is not None
                 picks, indexer_state = self.indexer.step(x, qr, chunk, cache.indexer)
+                picks_in_place = resolve(self.policy).picks_in_place
                 if t > GATHER_MAX_QUERIES:
                     compressed = compressor_state.layer_entries
                     mask, picks = selection_mask(picks, compressed.shape[1]), None
-                else:
+                elif 0 < picks.shape[-1] * picks_in_place <= compressor_state.entries.shape[-2]:
                     # From the cache's stack in place: the layer's entries sliced out first
                     # were a copy of all of them, per step, on the TPU (docs/design.md,
                     # "Picked entries gathered for short chunks").
                     picked = compressor_state.layer_rows(jnp.maximum(picks, 0))
+                else:
+                    compressed = compressor_state.layer_entries
             else:
                 compressed = compressor_state.layer_entries
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)

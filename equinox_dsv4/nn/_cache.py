@@ -92,12 +92,29 @@ class CompressorState(eqx.Module):
         self, index: Int[Array, "batch seq picks"]
     ) -> Float[Array, "batch seq picks head_dim"]:
         """This layer's entries `index[b]` of each sequence `b` (in range), gathered from
-        the stack in place: `layer_entries` then a gather would copy the whole layer first."""
-        flat = index.reshape(index.shape[0], -1)
-        rows = jnp.arange(flat.shape[0], dtype=flat.dtype)[:, None]
-        at = (rows, flat) if self.layer is None else (self.layer, rows, flat)
-        out = self.entries.at[at].get(mode="promise_in_bounds")
-        return out.reshape(*index.shape, self.entries.shape[-1])
+        the stack in place: `layer_entries` then a gather would copy the whole layer first.
+        The sequences are the gather's batch, where they are in the stack (a batch split over
+        devices stays split; mapped with `vmap`, the stack was transposed first)."""
+        b = index.shape[0]
+        flat = index.reshape(b, -1, 1)
+        width = self.entries.shape[-1]
+        if self.layer is None:  # [batch, blocks, head_dim]
+            starts, batch_axis, axes = flat, 0, (1,)
+        else:  # [layers, batch, blocks, head_dim]
+            layer = jnp.broadcast_to(jnp.asarray(self.layer, flat.dtype), flat.shape)
+            starts, batch_axis, axes = jnp.concatenate([layer, flat], -1), 1, (0, 2)
+        numbers = jax.lax.GatherDimensionNumbers(
+            offset_dims=(2,),
+            collapsed_slice_dims=axes,
+            start_index_map=axes,
+            operand_batching_dims=(batch_axis,),
+            start_indices_batching_dims=(0,),
+        )
+        sizes = (1,) * (self.entries.ndim - 1) + (width,)
+        out = jax.lax.gather(
+            self.entries, starts, numbers, sizes, mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+        )
+        return out.reshape(*index.shape, width)
 
     def write_entries(
         self,
