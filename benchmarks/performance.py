@@ -882,7 +882,7 @@ def _tpu_roofline(data: dict) -> str:
     for r in data["rows"]:
         lines.append(
             [
-                r["name"],
+                r["name"] + (f" ({r['recorded']})" if "recorded" in r else ""),
                 f"{r['weights']}, {r['topology']}, {r['mesh']}",
                 f"{r['phase']}, {r['tokens']} tokens",
                 f"{r['xla_flops_per_chip'] / 1e12:.2f} / {r['floor_flops_per_chip'] / 1e12:.2f} "
@@ -901,7 +901,7 @@ def _tpu_roofline(data: dict) -> str:
         largest = sorted(traffic.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
         for part, n in largest:
             parts.append([r["name"], r["phase"], part, f"{n / GIB:.2f}", pct(n / total)])
-    header = ["run", "weights, topology, mesh", "step", "TFLOPs per chip: XLA / floor"]
+    header = ["run (recorded)", "weights, topology, mesh", "step", "TFLOPs per chip: XLA / floor"]
     header += ["GiB accessed per chip: XLA / floor", "ms at peak: compute / memory"]
     header += ["estimate ms", "floor ms", "estimate / floor", "MFU (useful FLOPs)"]
     out.append(markdown(header, lines))

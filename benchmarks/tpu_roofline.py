@@ -26,13 +26,18 @@ the step must do:
 
 For each step, the bytes each part of the model reads and writes (`traffic_by_part`, from the
 compiled HLO text: every kernel's operands and results, an operand only sliced charged its
-slices, by the op names JAX gives them) say where the traffic beyond the floor comes from; and
+slices, a buffer updated in place (a dynamic update slice or a scatter) its updates, by the op
+names JAX gives them) say where the traffic beyond the floor comes from; and
 one prefill layer alone, the first five layers' program less the first four's
 (`layer_traffic`).
 
 These are estimates from the compiler's own accounting, not runs on a TPU.
 
-    python benchmarks/tpu_roofline.py [--only flash-b-64 ...] [--work /tmp/tpu-roofline]
+    python benchmarks/tpu_roofline.py [--only flash-b-64 ...] [--phases decode]
+        [--work /tmp/tpu-roofline]
+
+With `--only` or `--phases`, the rows not compiled are kept from the results file with the
+date they were recorded.
 
 Writes benchmarks/results/tpu_roofline.{json,md}.
 """
@@ -40,6 +45,7 @@ Writes benchmarks/results/tpu_roofline.{json,md}.
 import argparse
 import collections
 import dataclasses
+import datetime
 import glob
 import json
 import os
@@ -181,7 +187,8 @@ PARTS = (
 def traffic_by_part(text: str) -> collections.Counter:
     """Bytes each part of the model reads and writes in a compiled module: every kernel's
     operands and results (`hlo.kernel_bytes`: an operand a fusion only slices, directly or in
-    a fusion nested in it, charged its slices; a loop's body once, as XLA's cost analysis
+    a fusion nested in it, charged its slices; a buffer updated in place its updates; a
+    loop's body once, as XLA's cost analysis
     counts it), by `PARTS` from its op name, or its operand's where it has none (an
     asynchronous collective's steps); relayout copies and collectives that name no source
     op apart."""
@@ -288,29 +295,90 @@ def cache_read_bytes(config: ed.Config, context: int, itemsize: int = 2) -> int:
     return total * itemsize
 
 
+def table_cells(row: dict, run: Run) -> list[str]:
+    """The table's row of one compiled step (`row`, as the results file holds it)."""
+    gib, recorded = 2**30, f" ({row['recorded']})" if "recorded" in row else ""
+    chips = 1
+    for axis in row["mesh"].split(","):
+        chips *= int(axis.split("=")[1])
+    return [
+        f"{run.model}, {row['weights']}" + run.label + recorded,
+        f"{chips} ({row['topology']}), {row['mesh']}",
+        f"{row['phase']}, {row['tokens']} tokens",
+        f"{row['xla_flops_per_chip'] / 1e12:.2f} / {row['floor_flops_per_chip'] / 1e12:.2f} "
+        f"({row['flops_over_floor']:.2f}x)",
+        f"{row['xla_bytes_per_chip'] / gib:.2f} / {row['floor_bytes_per_chip'] / gib:.2f} "
+        f"({row['bytes_over_floor']:.2f}x)",
+        f"{1e3 * row['compute_seconds']:.2f} / {1e3 * row['memory_seconds']:.2f}",
+        f"{1e3 * row['estimate_seconds']:.2f}",
+        f"{1e3 * row['floor_seconds']:.2f}",
+        f"{row['estimate_over_floor']:.2f}x",
+        f"{100 * row['mfu_estimate']:.0f}%",
+    ]
+
+
+def breakdown_lines(row: dict) -> list[list[str]]:
+    """The six parts of one compiled step that read and write the most (`traffic_by_part`)."""
+    parts = collections.Counter(row.get("traffic_by_part", {}))
+    total = sum(parts.values())
+    return [
+        [row["name"], row["phase"], part, f"{n / 2**30:.2f}", f"{100 * n / total:.0f}%"]
+        for part, n in parts.most_common(6)
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(RUNS),
+        help="these runs only; the other rows are kept from results/tpu_roofline.json",
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=("prefill", "decode"),
+        help="these phases only (of the runs that have them); the others' rows are kept",
+    )
     parser.add_argument("--work", default="/tmp/tpu-roofline", help="per-run JSON (reused)")
     args = parser.parse_args()
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     rows, table, breakdown = [], [], []
     names = args.only or list(DEFAULT_RUNS)
+    phases = {n: [p for p in RUNS[n].phases if p in (args.phases or RUNS[n].phases)] for n in names}
+    saved = ROOT / "benchmarks" / "results" / "tpu_roofline.json"
+    kept, layer = {}, None
+    if (args.only or args.phases) and saved.exists():
+        # Kept rows keep the date they were recorded on (the file's date is this run's).
+        old = json.loads(saved.read_text())
+        kept = {(r["name"], r["phase"]): {"recorded": old["date"], **r} for r in old["rows"]}
+        layer = old.get("prefill_layer")
     # Every compile first: this process must not start JAX's TPU client (libtpu admits one
-    # process at a time) before its compiler subprocesses are done.
-    compiled = {n: {p: compile_report(n, p, work) for p in RUNS[n].phases} for n in names}
-    layer = layer_traffic(work)
-    for name in names:
+    # process at a time) before its compiler subprocesses are done. The decode step's report
+    # gives the batch and cache length of the floors.
+    compiled = {n: {p: compile_report(n, p, work) for p in {*phases[n], "decode"}} for n in names}
+    if "prefill" in phases.get("flash-b-64", ()) or layer is None:
+        layer = layer_traffic(work)
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    for name in [*DEFAULT_RUNS, *(n for n in RUNS if n not in DEFAULT_RUNS)]:
         run = RUNS[name]
         model, quantized, topology, mesh = run.model, run.quantized, TOPOLOGY, MESH
-        reports = compiled[name]
-        report = reports["decode"]
-        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
-        config = dataclasses.replace(config, num_nextn_predict_layers=0)
-        chips, batch = report["devices"], report["batch"]
-        floor = floors(config, quantized, chips, batch, report["max_len"] - 1)
         for phase in run.phases:
+            if phase not in phases.get(name, ()):
+                if (name, phase) in kept:
+                    row = kept[(name, phase)]
+                    rows.append(row)
+                    table.append(table_cells(row, run))
+                    breakdown += breakdown_lines(row)
+                continue
+            reports = compiled[name]
+            report = reports["decode"]
+            config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
+            config = dataclasses.replace(config, num_nextn_predict_layers=0)
+            chips, batch = report["devices"], report["batch"]
+            floor = floors(config, quantized, chips, batch, report["max_len"] - 1)
             r = reports[phase]["phases"][phase]
             flops, nbytes = r["flops"], r["bytes_accessed"]
             compute, memory = flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S
@@ -319,6 +387,7 @@ def main() -> int:
             tokens = batch * (PREFILL if phase == "prefill" else 1)
             row = {
                 "name": name,
+                "recorded": today,
                 "phase": phase,
                 "topology": topology,
                 "mesh": mesh,
@@ -344,29 +413,10 @@ def main() -> int:
             }
             text = work / f"{name}.{phase}.txt"
             if text.exists():
-                parts = traffic_by_part(text.read_text())
-                row["traffic_by_part"] = dict(parts.most_common())
-                total = sum(parts.values())
-                for part, n in parts.most_common(6):
-                    share = f"{100 * n / total:.0f}%"
-                    breakdown.append([name, phase, part, f"{n / 2**30:.2f}", share])
+                row["traffic_by_part"] = dict(traffic_by_part(text.read_text()).most_common())
             rows.append(row)
-            table.append(
-                [
-                    f"{model}, {row['weights']}" + run.label,
-                    f"{chips} ({topology}), {mesh}",
-                    f"{phase}, {tokens} tokens",
-                    f"{flops / 1e12:.2f} / {f['flops'] / 1e12:.2f} "
-                    f"({row['flops_over_floor']:.2f}x)",
-                    f"{nbytes / 2**30:.2f} / {f['bytes'] / 2**30:.2f} "
-                    f"({row['bytes_over_floor']:.2f}x)",
-                    f"{1e3 * compute:.2f} / {1e3 * memory:.2f}",
-                    f"{1e3 * estimate:.2f}",
-                    f"{1e3 * f['seconds']:.2f}",
-                    f"{row['estimate_over_floor']:.2f}x",
-                    f"{100 * row['mfu_estimate']:.0f}%",
-                ]
-            )
+            table.append(table_cells(row, run))
+            breakdown += breakdown_lines(row)
             print(table[-1], flush=True)
     header = [
         "model, weights",
