@@ -215,6 +215,17 @@ def _decode_step_temporaries(model, max_len: int) -> int:
     return step.compile().memory_analysis().temp_size_in_bytes
 
 
+def _csa_hca_stack(periods: int, scan: bool) -> ed.Config:
+    """`periods` (CSA, HCA) pairs in one layer stack, scanned or run by the Python loop."""
+    return tiny_config(
+        layer_types=(C, H) * periods,
+        num_hash_layers=0,
+        scan_min_repeats=2,
+        scan_layers=scan,
+        num_nextn_predict_layers=0,
+    )
+
+
 def _equations(jaxpr):
     # Every equation of a jaxpr and of the jaxprs in its equations' parameters.
     for eqn in jaxpr.eqns:
@@ -233,13 +244,7 @@ def test_decode_gathers_the_picks_from_the_stacked_entries(scan):
     # TPU (V4-Flash with a 1M-token cache: 10 of the step's 27.5 GiB per chip by the TPU
     # compiler's count, benchmarks/tpu_roofline.py), as XLA did not fuse the slice into the
     # gather.
-    config = tiny_config(
-        layer_types=(C, H) * 2,
-        num_hash_layers=0,
-        scan_min_repeats=2,
-        scan_layers=scan,
-        num_nextn_predict_layers=0,
-    )
+    config = _csa_hca_stack(2, scan)
     model = abstract(ed.DeepseekV4, config)
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 4096), model)
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
@@ -308,13 +313,7 @@ def test_stacked_cache_is_updated_in_place(dtype, scan):
     # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 74 and
     # 29 / 72 (archive/NOTES.md, items 32-33): a layer's index keys and HCA entries, copied out of
     # the stack for their products (bf16: the HCA entries converted to float32 there).
-    config = tiny_config(
-        layer_types=(C, H) * 3,
-        num_hash_layers=0,
-        scan_min_repeats=2,
-        scan_layers=scan,
-        num_nextn_predict_layers=0,
-    )
+    config = _csa_hca_stack(3, scan)
     model = abstract(ed.DeepseekV4, config, dtype=dtype)
     assert [type(layer) for layer in model.layers] == [LayerStack]
 

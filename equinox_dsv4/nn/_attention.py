@@ -307,8 +307,8 @@ class Attention(eqx.Module):
                     mask, picks = selection_mask(picks, compressed.shape[1]), None
                 elif 0 < picks.shape[-1] * picks_in_place <= compressor_state.entries.shape[-2]:
                     # From the cache's stack in place: the layer's entries sliced out first
-                    # were a copy of all of them, per step, on the TPU (docs/design.md,
-                    # "Picked entries gathered for short chunks").
+                    # can be a copy of all of them, per step (docs/design.md, "Picked entries
+                    # gathered for short chunks").
                     picked = compressor_state.layer_rows(jnp.maximum(picks, 0))
                 else:
                     compressed = compressor_state.layer_entries
