@@ -77,10 +77,11 @@ class Policy:
       compressed entries before its tokens).
     - `picks_in_place`: a short chunk's (a decode step's) picked compressed entries are
       gathered straight from the cache's stack where a CSA layer holds at least this many
-      entries per pick, else from the layer's entries sliced out of it (a copy of them all,
-      which XLA's TPU compiler does not fuse into the gather: with a long context, most of a
-      decode step's traffic). Below it the copy is small, and the TPU compiler offloads a
-      gather from the stack to its SparseCores and charges it the whole stack per layer.
+      entries per pick (0: always), else from the layer's entries sliced out of it (a copy
+      of them all, which XLA's TPU compiler does not fuse into the gather: with a long
+      context, most of a decode step's traffic). Below it the copy is small, and the TPU
+      compiler offloads a gather from the stack to its SparseCores and charges it the whole
+      stack per layer.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow

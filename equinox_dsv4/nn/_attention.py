@@ -302,10 +302,11 @@ class Attention(eqx.Module):
                 assert cache.indexer is not None
                 picks, indexer_state = self.indexer.step(x, qr, chunk, cache.indexer)
                 picks_in_place = resolve(self.policy).picks_in_place
+                entries = compressor_state.entries.shape[-2]
                 if t > GATHER_MAX_QUERIES:
                     compressed = compressor_state.layer_entries
                     mask, picks = selection_mask(picks, compressed.shape[1]), None
-                elif 0 < picks.shape[-1] * picks_in_place <= compressor_state.entries.shape[-2]:
+                elif picks.shape[-1] and picks.shape[-1] * picks_in_place <= entries:
                     # From the cache's stack in place: the layer's entries sliced out first
                     # can be a copy of all of them, per step (docs/design.md, "Picked entries
                     # gathered for short chunks").
