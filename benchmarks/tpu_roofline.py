@@ -48,6 +48,7 @@ import dataclasses
 import datetime
 import glob
 import json
+import math
 import os
 import pathlib
 import re
@@ -298,9 +299,7 @@ def cache_read_bytes(config: ed.Config, context: int, itemsize: int = 2) -> int:
 def table_cells(row: dict, run: Run) -> list[str]:
     """The table's row of one compiled step (`row`, as the results file holds it)."""
     gib, recorded = 2**30, f" ({row['recorded']})" if "recorded" in row else ""
-    chips = 1
-    for axis in row["mesh"].split(","):
-        chips *= int(axis.split("=")[1])
+    chips = math.prod(int(axis.split("=")[1]) for axis in row["mesh"].split(","))
     return [
         f"{run.model}, {row['weights']}" + run.label + recorded,
         f"{chips} ({row['topology']}), {row['mesh']}",
@@ -365,6 +364,13 @@ def main() -> int:
     for name in [*DEFAULT_RUNS, *(n for n in RUNS if n not in DEFAULT_RUNS)]:
         run = RUNS[name]
         model, quantized, topology, mesh = run.model, run.quantized, TOPOLOGY, MESH
+        if name in compiled:
+            reports = compiled[name]
+            report = reports["decode"]
+            config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
+            config = dataclasses.replace(config, num_nextn_predict_layers=0)
+            chips, batch = report["devices"], report["batch"]
+            floor = floors(config, quantized, chips, batch, report["max_len"] - 1)
         for phase in run.phases:
             if phase not in phases.get(name, ()):
                 if (name, phase) in kept:
@@ -373,12 +379,6 @@ def main() -> int:
                     table.append(table_cells(row, run))
                     breakdown += breakdown_lines(row)
                 continue
-            reports = compiled[name]
-            report = reports["decode"]
-            config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
-            config = dataclasses.replace(config, num_nextn_predict_layers=0)
-            chips, batch = report["devices"], report["batch"]
-            floor = floors(config, quantized, chips, batch, report["max_len"] - 1)
             r = reports[phase]["phases"][phase]
             flops, nbytes = r["flops"], r["bytes_accessed"]
             compute, memory = flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S
