@@ -227,6 +227,19 @@ def assert_draws_from(
     assert p_value > level, (chi2, df, p_value)
 
 
+def equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (loop and
+    branch bodies, custom derivatives, inner calls), depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from equations(sub)
+
+
 _LOWERED: list[str] = []
 
 

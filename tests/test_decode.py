@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOGITS
+from helpers import LOGITS, equations
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
@@ -226,40 +226,28 @@ def _csa_hca_stack(periods: int, scan: bool) -> ed.Config:
     )
 
 
-def _equations(jaxpr):
-    # Every equation of a jaxpr and of the jaxprs in its equations' parameters.
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    yield from _equations(sub)
-
-
 @pytest.mark.parametrize("scan", [True, False])
 def test_decode_gathers_the_picks_from_the_stacked_entries(scan):
-    # A decode step gathers each CSA layer's picked entries straight from the cache's stack.
-    # Sliced out of the stack first, each layer's entries were copied whole every step on the
-    # TPU (V4-Flash with a 1M-token cache: 10 of the step's 27.5 GiB per chip by the TPU
-    # compiler's count, benchmarks/tpu_roofline.py), as XLA did not fuse the slice into the
-    # gather.
+    # A decode step with a long cache gathers each CSA layer's picked entries straight from
+    # the cache's stack. Sliced out of the stack first, each layer's entries were copied whole
+    # every step on the TPU, as XLA did not fuse the slice into the gather
+    # (benchmarks/tpu_roofline.py, the 1M-token rows).
     config = _csa_hca_stack(2, scan)
     model = abstract(ed.DeepseekV4, config)
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 4096), model)
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     jaxpr = eqx.filter_make_jaxpr(lambda m, i, c: m.decode(i, c))(model, ids, cache)[0]
     layer = (1, 4096 // config.compress_rate_csa, config.head_dim)  # one layer's entries
-    equations = list(_equations(jaxpr.jaxpr))
+    all_equations = list(equations(jaxpr.jaxpr))
     whole = [
         e
-        for e in equations
+        for e in all_equations
         if e.primitive.name in ("slice", "dynamic_slice") and e.outvars[0].aval.shape[-3:] == layer
     ]
     assert not whole, [str(e)[:200] for e in whole]
     gathers = [
         e
-        for e in equations
+        for e in all_equations
         if e.primitive.name == "gather"
         and e.invars[0].aval.shape[-3:] == layer
         and e.invars[0].aval.ndim == 4

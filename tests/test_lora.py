@@ -12,7 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import COMPONENT, LOGITS, adapted_weights, assert_close, random_adapters, run_python
+from helpers import (
+    COMPONENT,
+    LOGITS,
+    adapted_weights,
+    assert_close,
+    equations,
+    random_adapters,
+    run_python,
+)
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -181,16 +189,13 @@ def test_routed_expert_adapters_equal_merged(form):
         assert_close(gb, wb)
 
 
-def _dots(jaxpr, out=()):
+def _dots(jaxpr):
     # Output shapes of every dot_general in a jaxpr and the jaxprs inside it.
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out += (tuple(eqn.outvars[0].aval.shape),)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                out = _dots(inner, out)
-    return out
+    return [
+        tuple(e.outvars[0].aval.shape)
+        for e in equations(jaxpr)
+        if e.primitive.name == "dot_general"
+    ]
 
 
 def test_no_cotangent_of_frozen_expert_stacks():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import COMPONENT, LOGITS
+from helpers import COMPONENT, LOGITS, equations
 from hf_reference import (
     abstract,
     decode_temporaries,
@@ -272,14 +272,8 @@ def test_bf16_prefill_dispatch_does_not_widen_the_experts():
 
 def _avals(jaxpr):
     # Every value a jaxpr computes, its sub-jaxprs' (loops, custom VJPs) included.
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         yield from (v.aval for v in eqn.outvars)
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, tuple | list) else (p,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _avals(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _avals(sub)
 
 
 @pytest.mark.parametrize("platform,experts", [("tpu", "loop"), ("tpu", "ragged"), ("cpu", "loop")])
