@@ -50,8 +50,9 @@ def setups():
         model = random_fill(abstract(ed.DeepseekV4, config), seed=len(out))
         if name == "pro_like":
             # Its decode steps gather their picks from the cache's stack, where the default
-            # (`Policy.picks_in_place`) would slice out the few entries of this short cache.
-            policy = dataclasses.replace(resolve(None), picks_in_place=1)
+            # (`Policy.picks_in_place`) would slice out the few entries of this short cache,
+            # and the chosen experts from the stacked weights (`Policy.experts_in_place`).
+            policy = dataclasses.replace(resolve(None), picks_in_place=1, experts_in_place=True)
             model = ed.execution.with_policy(model, policy)
         ids = np.random.default_rng(len(out)).integers(0, config.vocab_size, (2, LENGTH))
         ids = jnp.asarray(ids, jnp.int32)
@@ -215,7 +216,7 @@ def _decode_step_temporaries(model, max_len: int) -> int:
     return step.compile().memory_analysis().temp_size_in_bytes
 
 
-def _csa_hca_stack(periods: int, scan: bool) -> ed.Config:
+def _csa_hca_stack(periods: int, scan: bool, **overrides) -> ed.Config:
     """`periods` (CSA, HCA) pairs in one layer stack, scanned or run by the Python loop."""
     return tiny_config(
         layer_types=(C, H) * periods,
@@ -223,6 +224,7 @@ def _csa_hca_stack(periods: int, scan: bool) -> ed.Config:
         scan_min_repeats=2,
         scan_layers=scan,
         num_nextn_predict_layers=0,
+        **overrides,
     )
 
 
@@ -253,6 +255,43 @@ def test_decode_gathers_the_picks_from_the_stacked_entries(scan):
         and e.invars[0].aval.ndim == 4
     ]
     assert gathers  # from the stack, [layers, batch, entries, head_dim]
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_decode_reads_the_chosen_experts_from_the_stacked_weights(scan):
+    # Under the TPU policy (`Policy.experts_in_place`) a one-sequence decode step on fsdp x
+    # expert reads each layer's few chosen experts straight from the stacked weights, one
+    # dynamic slice per product. Sliced out of the stack first, every layer's experts were
+    # copied whole every step by the TPU compiler, and gathered, the chosen ones copied again
+    # (benchmarks/tpu_roofline.py, the 1M-token batch-1 row).
+    config = _csa_hca_stack(2, scan, n_routed_experts=12, moe_intermediate_size=16)
+    policy = ed.execution.Policy.for_platform("tpu")
+    model = ed.execution.with_policy(abstract(ed.DeepseekV4, config), policy)
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, 64), model)
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    with jax.set_mesh(mesh):
+        jaxpr = eqx.filter_make_jaxpr(lambda m, i, c: m.decode(i, c))(model, ids, cache)[0]
+    e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+    all_equations = list(equations(jaxpr.jaxpr))
+    local = e // 2  # the experts of a device
+    copies = [  # a layer's every expert out of the stack, or the chosen ones gathered
+        eq
+        for eq in all_equations
+        if eq.outvars[0].aval.shape in ((e, f, d), (e, d, f))
+        or (eq.primitive.name == "gather" and local in eq.invars[0].aval.shape[-4:-2])
+    ]
+    assert not copies, [str(eq)[:200] for eq in copies]
+    slices = [  # inside the shard_map: [layers, local experts, rows, columns]
+        eq
+        for eq in all_equations
+        if eq.primitive.name == "dynamic_slice"
+        and eq.invars[0].aval.ndim == 4
+        and eq.invars[0].aval.shape[1] == local
+    ]
+    traced = 2 if scan else 4  # MoE layers traced: the scanned period's, or every layer's
+    top_k = config.num_experts_per_tok
+    assert len(slices) == traced * 3 * top_k  # w1, w3, w2 for each of the token's experts
 
 
 def test_bf16_cache_writes_do_not_convert_the_cache():

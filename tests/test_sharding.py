@@ -188,6 +188,50 @@ def test_expert_parallel_equals_one_device(name, tokens):
         np.testing.assert_allclose(b, a, **COMPONENT)
 
 
+@pytest.mark.parametrize("name", ["dense", "fp8-d_model"])
+# One row: the chosen experts gathered (from the stack in place); 4 rows over fsdp: every
+# local expert (the layer's slice); 64: the weights gathered over fsdp (the layer's slice).
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_a_view_of_a_layer_stack_equals_the_layer(name, tokens):
+    # `Experts.layer`: layer 1's routed experts read through a view of a 3-layer stack (a
+    # decode step's, `Policy.experts_in_place`), by a traced or a static index, equal the
+    # layer's own experts: on one device gathered or in a loop over assignments, and on
+    # fsdp 4 x expert 2.
+    d_model, inter, fmt, _ = EXPERTS[name]
+    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter)
+    layers = [random_fill(abstract(ed.nn.Experts, config), seed=s) for s in (5, 6, 7)]
+    if fmt is not None:
+        weights = lambda e: (e.w1, e.w2, e.w3)  # noqa: E731
+        layers = [eqx.tree_at(weights, e, [quantize(w, fmt) for w in weights(e)]) for e in layers]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    run = eqx.filter_jit(lambda experts, x: experts(x, ids, w))
+
+    def view(stack, layer, **policy):
+        policy = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), **policy)
+        view = eqx.tree_at(lambda e: e.layer, stack, layer, is_leaf=lambda a: a is None)
+        return ed.execution.with_policy(view, policy)
+
+    want = run(layers[1], x)
+    for layer in (jnp.int32(1), 1):
+        for gather in (False, True):
+            got = run(view(stack, layer, gather_experts=gather), x)
+            np.testing.assert_allclose(got, want, **COMPONENT)
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+
+    def stacked(*a):  # each layer's placement, the layers' axis whole
+        return jax.device_put(jnp.stack(a), NamedSharding(mesh, P(None, *a[0].sharding.spec)))
+
+    sharded = jax.tree.map(stacked, *[ed.shard(e, mesh) for e in layers])
+    with jax.set_mesh(mesh):
+        for layer in (jnp.int32(1), 1):
+            got = run(view(sharded, layer), x)
+            np.testing.assert_allclose(got, want, **COMPONENT)
+
+
 def _dot_flops(jaxpr) -> float:
     # Matmul FLOPs of a jaxpr, a scan's body counted once per iteration. XLA's own cost
     # analysis counts a loop body once, and the dispatch runs its blocks in a loop.
@@ -286,6 +330,13 @@ def test_decode_keeps_dense_weights_in_place(single):
     # The embedding's output, the scanned period's two blocks and two attentions, the stack's.
     assert split["batch"] >= 6 and split["d_model"] == 0
     assert stationary == {"d_model": split["batch"]}
+
+
+def test_decode_through_views_of_the_expert_stacks_equals_one_device(single):
+    # `Policy.experts_in_place`: a prefill into the cache and a decode step whose layers read
+    # their routed experts through views of the stacked weights (`Experts.layer`; the
+    # prefill's weights gathered over fsdp, the step's every local expert) equal one device.
+    _prefill_then_step(single, dict(fsdp=4, expert=2), experts_in_place=True)
 
 
 def test_long_chunks_split_along_the_sequence(single):

@@ -7,6 +7,7 @@ each assignment runs through its own expert, and only the chosen experts' weight
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +29,18 @@ def dispatch(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w1: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "*layers experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """Routed experts for the (token, expert) assignments, computed only where assigned. An
-    assignment to expert `len(w1)` (out of range) is dropped.
+    assignment to expert `experts` (out of range) is dropped. With a `layer`, the weights are
+    a layer stack's, `[layers, experts, ...]`, and the experts are layer `layer`'s
+    (`of_layer`).
 
     With more assignments than experts (prefill), the assignments are sorted by expert and run
     by `policy.experts`' kernel: `"loop"`, each expert's group padded to `TAIL_ROWS` and run
@@ -60,13 +64,17 @@ def dispatch(
     policy = resolve(policy)
     act = (limit, numerics)
     tokens, top_k = indices.shape
-    n_experts = w1.shape[0]
+    n_experts = w1.shape[-3]
     rows = tokens * top_k
     expert = indices.reshape(rows)
+    if layer is not None and not (rows <= n_experts and policy.gather_experts):
+        # Only the gather of the chosen experts reads a layer stack in place.
+        w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
+        layer = None
     if rows <= n_experts:
         run = _gathered if policy.gather_experts else _one_by_one
         x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
-        chosen = jnp.minimum(expert, n_experts - 1)
+        chosen = chosen_experts(expert, n_experts, layer)
         ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
         ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
@@ -158,10 +166,28 @@ def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):
     return _over_experts(one, None, (w1, w2, w3), chosen, (xs, ws), policy)[1]
 
 
+def of_layer(w: Any, layer: Int[Array, ""] | int | None) -> Any:
+    """Layer `layer`'s experts of a stack `w` (`[layers, experts, ...]`); `w` itself for
+    `None` (`w` is one layer's experts)."""
+    return w if layer is None else w[layer]
+
+
+def chosen_experts(
+    expert: Int[Array, " rows"], n_experts: int, layer: Int[Array, ""] | int | None
+) -> Int[Array, " rows"] | tuple[Int[Array, ""], Int[Array, " rows"]]:
+    """The index into a weight (a layer's experts, or with `layer` a stack's) of each
+    assignment's expert, an out-of-range one (dropped) clamped into range: one gather reads
+    the chosen experts of a stack in place, where taking the layer's slice first would copy
+    the layer's every expert."""
+    chosen = jnp.minimum(expert, n_experts - 1)
+    return chosen if layer is None else (jnp.asarray(layer, chosen.dtype), chosen)
+
+
 def _gathered(xs, ws, chosen, w1, w2, w3, act, policy):
-    # The chosen experts' weights in one gather, the products batched over assignments. In a
-    # scanned layer stack, XLA fuses the gather with the layer's slicing and reads only the
-    # chosen experts; a loop would get the layer's slice of every expert copied in.
+    # The chosen experts' weights in one gather (`chosen_experts`), the products batched over
+    # assignments. In a scanned layer stack, XLA fuses the gather with the layer's slicing
+    # and reads only the chosen experts; a loop would get the layer's slice of every expert
+    # copied in.
     one = functools.partial(_expert_row, act=act, policy=policy)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 

@@ -23,7 +23,7 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import dispatch
+from ._dispatch import dispatch, of_layer
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy, resolve
@@ -34,32 +34,37 @@ def routed_experts(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w1: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "*layers experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """`sum_j weights[:, j] * expert_{indices[:, j]}(x)` in float32, expert `e` being
     `w2[e] swiglu(w1[e] x, w3[e] x)` (`limit`: the SwiGLU clamp; `numerics`: see `dispatch`):
     under a mesh with an `expert` axis by `expert_parallel`, else by `dispatch`, in the forms
-    `policy` chooses."""
+    `policy` chooses. With a `layer`, the weights are a layer stack's, `[layers, experts, ...]`,
+    and the experts layer `layer`'s: the forms that read a few chosen experts gather them from
+    the stack in place, the others take the layer's slice first."""
+    args = (x, indices, weights, w1, w2, w3, limit, numerics, policy, layer)
     if mesh_axis("expert") > 1:
-        return expert_parallel(x, indices, weights, w1, w2, w3, limit, numerics, policy)
-    return dispatch(x, indices, weights, w1, w2, w3, limit, numerics, policy)
+        return expert_parallel(*args)
+    return dispatch(*args)
 
 
 def expert_parallel(
     x: Float[Array, "tokens d_model"],
     indices: Int[Array, "tokens topk"],
     weights: Float[Array, "tokens topk"],
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight,
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w1: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
+    w2: Float[Array, "*layers experts d_model inter"] | QuantizedWeight | LoraWeight,
+    w3: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight,
     limit: float,
     numerics: str,
     policy: Policy | None,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """The routed experts on a mesh with an `expert` axis: each device holds
     `experts / mesh["expert"]` of them and computes the assignments of its tokens (split over
@@ -80,7 +85,8 @@ def expert_parallel(
 
     A `LoraWeight` stack's `A` is split like its base's input dim and `B` like its output dim
     (`ShardingRules` places them so): each device's products with its slices sum to the
-    adapted weight's as the base's do."""
+    adapted weight's as the base's do. A layer stack's weights (with a `layer`) are split
+    alike, their `layers` axis whole."""
     mesh = jax.sharding.get_abstract_mesh()
     policy = resolve(policy)
     # A split of a quantised weight must keep its blocks whole (as `ShardingRules` places it);
@@ -134,21 +140,14 @@ def expert_parallel(
     hidden = tuple(a for a in (tensor, fsdp if up else None) if a) or None
     if hidden is not None and len(hidden) == 1:
         hidden = hidden[0]
-    w13 = P("expert", hidden, fsdp if split["w1"] == 2 else None)
-    w2_spec = P("expert", fsdp if split["w2"] else None, tensor)
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(
-            row,
-            row,
-            row,
-            weight_spec(w1, w13),
-            weight_spec(w2, w2_spec),
-            weight_spec(w3, w13),
-        ),
-        out_specs=row,
-    )(x, indices, weights, w1, w2, w3)
+    lead = () if layer is None else (None,)
+    w13 = P(*lead, "expert", hidden, fsdp if split["w1"] == 2 else None)
+    w2_spec = P(*lead, "expert", fsdp if split["w2"] else None, tensor)
+    args = (x, indices, weights, w1, w2, w3)
+    specs = (row, row, row, weight_spec(w1, w13), weight_spec(w2, w2_spec), weight_spec(w3, w13))
+    if layer is not None:
+        args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=row)(*args)
 
 
 def weight_spec(weight: Any, spec: P) -> Any:
@@ -170,7 +169,7 @@ def _mine(indices, weights, n_local):
     return jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
 
 
-def _gathering(x, indices, weights, w1, w2, w3, *, act, axes, spread, reduce, policy):
+def _gathering(x, indices, weights, w1, w2, w3, layer=None, *, act, axes, spread, reduce, policy):
     # Many tokens: this device's experts' weights gathered over fsdp, its own tokens computed.
     def gather(w, axis):
         # A quantised weight's values and scales are gathered alike (same rank, same axes); of
@@ -183,6 +182,7 @@ def _gathering(x, indices, weights, w1, w2, w3, *, act, axes, spread, reduce, po
             return LoraWeight(gather(w.base, axis), a, b, w.scale)
         return jax.tree.map(lambda a: jax.lax.all_gather(a, "fsdp", axis=axis, tiled=True), w)
 
+    w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
     w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])
     local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
     # The gathered weights are a value, not a parameter (see `dispatch`).
@@ -193,7 +193,7 @@ def _gathering(x, indices, weights, w1, w2, w3, *, act, axes, spread, reduce, po
     return jax.lax.psum(y, reduce)
 
 
-def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, policy):
+def _stationary(x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, reduce, policy):
     # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
     # device's slice of its experts' weights: of `w1`/`w3`'s hidden units (`up`) or of their
     # `d_model`, and of `w2`'s `d_model`; the chosen experts only where the assignments are
@@ -202,7 +202,7 @@ def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, poli
         x, indices, weights = (
             jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
         )
-    n_local, width = w2.shape[0], w2.shape[1]
+    n_local, width = w2.shape[-3], w2.shape[-2]
     local_ids, mine_weights = _mine(indices, weights, n_local)
     tokens, top_k = indices.shape
     rows = tokens * top_k
@@ -214,6 +214,8 @@ def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, poli
         # weighted by the token's routing weight for it (zero where not chosen), reads each
         # local expert once, where copying each assignment's expert out of the stack would
         # write (and read back) more than the whole stack.
+        w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
+
         def products(a, w):  # a [tokens, ..., in] by each expert of w -> [tokens, experts, out]
             def each(a, w):
                 return linear(a, w, policy, dtype=jnp.float32)
@@ -232,7 +234,7 @@ def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, poli
             h = jax.lax.all_gather(h, "fsdp", axis=2, tiled=True)
         y = jnp.sum(products(act_quant(h, numerics), w2), axis=1)
     else:
-        y = _assignments(x, local_ids, mine_weights, w1, w2, w3, up, act, policy)
+        y = _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
     if split:  # each device's tokens back to it, whole `d_model`
         return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
     # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
@@ -242,26 +244,32 @@ def _stationary(x, indices, weights, w1, w2, w3, *, act, up, split, reduce, poli
     return jax.lax.psum(whole, reduce + ("fsdp",))
 
 
-def _assignments(x, local_ids, mine_weights, w1, w2, w3, up, act, policy):
-    # Fewer assignments than local experts: each assignment through a copy of its expert's
-    # weights (the chosen experts' rows of the stack, gathered), others' assignments zeroed.
-    n_local, width = w2.shape[0], w2.shape[1]
+def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy):
+    # Fewer assignments than local experts: each assignment through its expert's weights,
+    # others' assignments zeroed. Each product reads its expert's weights where they lie in
+    # the stack (a layer stack's, with `layer`): a dynamic slice that XLA fuses into the
+    # product. Gathered into one array for batched products, the chosen experts' weights
+    # were written, copied and read again (the TPU compiler's count, one sequence decoding).
+    n_local, width = w2.shape[-3], w2.shape[-2]
     tokens, top_k = local_ids.shape
     rows = tokens * top_k
     chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
     x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
 
-    def product(a, w):
-        return linear(a[None], w, policy, dtype=jnp.float32)[0]
+    def products(a, w):  # row r of a [rows, in] by its expert's w -> [rows, out]
+        def one(r):
+            expert = w[chosen[r]] if layer is None else w[layer, chosen[r]]
+            return linear(a[r][None], expert, policy, dtype=jnp.float32)[0]
 
-    g = jax.vmap(product)(x_rows, w1[chosen])
-    u = jax.vmap(product)(x_rows, w3[chosen])
+        return jnp.stack([one(r) for r in range(rows)])
+
+    g, u = products(x_rows, w1), products(x_rows, w3)
     if not up:
         g, u = jax.lax.psum((g, u), "fsdp")
     h = swiglu(g, u, act[0]) * mine_weights.reshape(rows)[:, None]
     h = h.astype(x.dtype)
     if up:  # this device's hidden units, then all of its tensor slice's
         h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
-    y = jax.vmap(product)(act_quant(h, act[1]), w2[chosen])
+    y = products(act_quant(h, act[1]), w2)
     y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
     return jnp.sum(y.reshape(tokens, top_k, width), axis=1)

@@ -36,11 +36,12 @@ def with_remat(fn: Callable, remat: str | None) -> Callable:
 
 
 class InPlace(typing.NamedTuple):
-    """How a loop keeps some of its caches' arrays whole (the arrays that grow with the
-    context, which a donated cache then updates in place): `split(caches) -> (whole, rest)`
-    takes them out of the stacked caches, and `join(rest, whole, layer)` puts them back, with
-    `layer` (an index into their leading axis) a view through which one layer writes into the
-    whole stacks, or with `None` as they were."""
+    """How a loop keeps some of its stacked arrays whole: of the caches, those that grow with
+    the context (which a donated cache then updates in place); of the weights, those that a
+    layer reads only a few rows of. `split(tree) -> (whole, rest)` takes them out of the
+    stacked tree, and `join(rest, whole, layer)` puts them back, with `layer` (an index into
+    their leading axis) a view through which one layer reads (and writes into) the whole
+    stacks, or with `None` as they were."""
 
     split: Callable[[Any], tuple[Any, Any]]
     join: Callable[[Any, Any, Array | int | None], Any]
@@ -57,6 +58,7 @@ def run_layers(
     scan: bool,
     remat: str | None = None,
     in_place: InPlace | None = None,
+    views: InPlace | None = None,
 ) -> tuple[Any, Any, Any]:
     """`for r in range(repeats): x, caches[r], stats[r] = period(x, weights[r], caches[r])`,
     `x` a pytree of carried values (the residual streams first).
@@ -72,11 +74,15 @@ def run_layers(
     - `remat`: a rematerialisation policy (`REMAT_POLICIES`) for each period.
     - `in_place`: keep part of the caches whole, each layer writing into them (`InPlace`);
       otherwise each layer's caches are sliced out and stacked anew.
+    - `views`: keep part of the weights whole, each layer reading them through a view
+      (`InPlace`; no gradient: a view's would be a whole stack per layer); otherwise each
+      layer's slices are taken by the driver.
 
     **Returns:** `(x, caches, stats)`, the caches and stats stacked along `repeats`.
     """
     policy = resolve(policy)
     scan = scan and repeats > 1
+    whole_weights, weights = views.split(weights) if views else (None, weights)
     route = Route.decide(policy, weights, scan=scan, in_place=in_place is not None)
 
     def body_period(x, weights, caches):
@@ -106,7 +112,10 @@ def run_layers(
         cache = layer["cache"]
         if in_place:
             cache = in_place.join(cache, held["whole"], r)
-        x, new, stats = body_period(x, layer["weights"], cache)
+        weights = layer["weights"]
+        if views:  # the whole stacks as constants of the loop
+            weights = views.join(weights, whole_weights, r)
+        x, new, stats = body_period(x, weights, cache)
         held = dict(held)
         if in_place:
             held["whole"], new = in_place.split(new)

@@ -82,6 +82,12 @@ class Policy:
       context, most of a decode step's traffic). Below it the copy is small, and the TPU
       compiler offloads a gather from the stack to its SparseCores and charges it the whole
       stack per layer.
+    - `experts_in_place`: a decode step's layer loop hands each layer's routed experts the
+      whole stacked weights with the layer's index (a view, `Experts.layer`), and the forms
+      that read only the chosen experts gather them from the stack in place. Otherwise the
+      loop takes each layer's slice of every expert first, which XLA's TPU compiler copies
+      whole (one sequence with a long context: most of the step's traffic) before gathering
+      the chosen experts from the copy.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow
@@ -103,6 +109,7 @@ class Policy:
     stationary_tokens: int = 0
     split_chunks: int = 0
     picks_in_place: int = 8
+    experts_in_place: bool = False
     rolled_sinkhorn: bool = False
 
     def __post_init__(self):
@@ -141,6 +148,7 @@ class Policy:
                 stationary_tokens=64,
                 stationary_rows=512,
                 split_chunks=1024,
+                experts_in_place=True,
             )
         if platform != "cpu":
             return cls(platform, experts="ragged", rolled_sinkhorn=platform == "gpu")

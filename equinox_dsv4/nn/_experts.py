@@ -15,14 +15,20 @@ from ._layers import init_normal
 
 class Experts(eqx.Module):
     """The routed experts, stacked: `w1`, `w3` `[experts, inter, d_model]`, `w2`
-    `[experts, d_model, inter]`. Expert `e` maps `x` to `w2[e] (swiglu(w1[e] x, w3[e] x))`."""
+    `[experts, d_model, inter]`. Expert `e` maps `x` to `w2[e] (swiglu(w1[e] x, w3[e] x))`.
 
-    w1: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight
-    w2: Float[Array, "experts d_model inter"] | QuantizedWeight | LoraWeight
-    w3: Float[Array, "experts inter d_model"] | QuantizedWeight | LoraWeight
+    In a view of a layer stack (`LayerStack`'s decode step, where `Policy.experts_in_place`
+    says so), the weights are the whole stack's, `[layers, experts, ...]`, and `layer` the
+    index of this layer in it: the few experts a decode step chooses are then gathered from
+    the stack in place, not from a copy of the layer's every expert."""
+
+    w1: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight
+    w2: Float[Array, "*layers experts d_model inter"] | QuantizedWeight | LoraWeight
+    w3: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight
     limit: float = eqx.field(static=True)
     numerics: str = eqx.field(static=True)
     policy: Policy | None = policy_field()
+    layer: Int[Array, ""] | int | None = None
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         k1, k2, k3 = jr.split(key, 3)
@@ -33,6 +39,7 @@ class Experts(eqx.Module):
         self.limit = config.swiglu_limit
         self.numerics = config.numerics
         self.policy = None
+        self.layer = None
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         if name == "w2":
@@ -55,4 +62,5 @@ class Experts(eqx.Module):
         """
         x = act_quant(x, self.numerics)  # once per token, for all of its experts
         w = (self.w1, self.w2, self.w3)
-        return routed_experts(x, indices, weights, *w, self.limit, self.numerics, self.policy)
+        act = (self.limit, self.numerics)
+        return routed_experts(x, indices, weights, *w, *act, self.policy, self.layer)

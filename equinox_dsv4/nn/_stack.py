@@ -92,7 +92,9 @@ class LayerStack(eqx.Module):
         writing its new ones into them (`LayerCache.split` / `join`), so that a donated cache
         is updated in place; otherwise (a forward from position 0, where with `remat` a
         period's saved inputs would hold the whole stacked entries) they are sliced out and
-        stacked anew with the rest of each layer's cache.
+        stacked anew with the rest of each layer's cache. With `in_place`, where
+        `Policy.experts_in_place` says so, each layer's routed experts are also a view of the
+        whole stacked weights (see `Experts`).
 
         `taps`: decoder layers (of the whole model) after which to average the streams (the
         DSpark drafter's context); those of this stack are returned.
@@ -136,6 +138,7 @@ class LayerStack(eqx.Module):
             scan=self.scan,
             remat=remat,
             in_place=_ENTRIES if in_place else None,
+            views=_EXPERTS if in_place and policy.experts_in_place else None,
         )
         return x, caches, stats, dict(zip(mine, tapped, strict=True))
 
@@ -151,3 +154,31 @@ def _join(rests, entries, layer: Array | int | None) -> tuple[LayerCache, ...]:
 
 
 _ENTRIES = InPlace(_split, _join)
+
+
+def _expert_weights(block: Block):
+    experts = block.ffn.experts
+    return experts.w1, experts.w2, experts.w3
+
+
+def _split_experts(blocks: tuple[Block, ...]):
+    # Each period position's routed expert stacks, and the blocks without them.
+    whole = tuple(_expert_weights(b) for b in blocks)
+    rest = tuple(eqx.tree_at(_expert_weights, b, (None,) * 3) for b in blocks)
+    return whole, rest
+
+
+def _join_experts(rest, whole, layer: Array | int | None) -> tuple[Block, ...]:
+    def where(b: Block):
+        return (*_expert_weights(b), b.ffn.experts.layer)
+
+    return tuple(
+        eqx.tree_at(where, b, (*w, layer), is_leaf=_none) for b, w in zip(rest, whole, strict=True)
+    )
+
+
+def _none(x) -> bool:
+    return x is None
+
+
+_EXPERTS = InPlace(_split_experts, _join_experts)
