@@ -318,6 +318,48 @@ def test_decode_moves_tokens_not_expert_weights(single):
     assert _gathered_expert_stacks(few, local) == 0
 
 
+def test_decode_keeps_the_router_and_shared_expert_in_place():
+    # Under the TPU's rules and policy, a decode step's router and shared expert multiply each
+    # device's slice of their weights (`constrain_tokens`). In the layout the routed experts
+    # take the tokens in (split along the batch), every device gathered both weights whole in
+    # every layer (benchmarks/tpu_roofline.py, the 8-sequence decode rows). Equal to one
+    # device. Sizes that no activation of the step has: d_model 64, hidden 48, 16 experts.
+    config = tiny_config(
+        layer_types=(C, H, C, H),
+        num_hash_layers=0,
+        scan_min_repeats=2,
+        num_nextn_predict_layers=0,
+        hidden_size=64,
+        moe_intermediate_size=48,
+        n_routed_experts=16,
+    )
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=6)
+    ids = jnp.asarray(np.random.default_rng(6).integers(0, 97, (8, 9)), jnp.int32)
+    cache = model.init_cache(8, 16)
+    _, cache = _decode(model, ids[:, :8], cache)
+    want, _ = _decode(model, ids[:, 8:], cache)
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    rules = ed.parallel.ShardingRules.of({**ed.parallel.DEFAULT_RULES, **FSDP_EXPERT})
+    tpu = ed.execution.Policy.for_platform("tpu")
+    placed = ed.execution.with_policy(ed.shard(model, mesh, rules), tpu)
+    with jax.set_mesh(mesh):
+        cache = ed.parallel.shard_cache(placed.init_cache(8, 16), mesh)
+        _, cache = _decode(placed, ids[:, :8], cache)
+        text = _decode.lower(placed, ids[:, 8:], cache).compile().compiled.as_text()
+        got, _ = _decode(placed, ids[:, 8:], cache)
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    d, f, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+    weights = {(e, d), (f, d), (d, f)}  # the router's, the shared expert's
+    gathered = []
+    for line in text.splitlines():
+        result = re.match(r"\s*%\S+ = (.*?) all-(gather|reduce)(-start)?\(", line)
+        for dims in re.findall(r"\[([\d,]*)\]", result[1] if result else ""):
+            shape = tuple(int(n) for n in dims.split(",") if n)
+            if len(shape) <= 3 and shape[-2:] in weights:
+                gathered.append(line[:160])
+    assert not gathered, gathered
+
+
 def test_decode_keeps_dense_weights_in_place(single):
     # `Policy.stationary_tokens`: a decode step's few tokens split along d_model over fsdp x
     # expert at the block boundaries and the attention's input, as the dense weights are, so
@@ -327,9 +369,11 @@ def test_decode_keeps_dense_weights_in_place(single):
     # batch as before. Both equal one device.
     many, few = _prefill_then_step(single, dict(fsdp=4, expert=2), stationary_tokens=8)
     split, stationary = _constraints(many), _constraints(few)
-    # The embedding's output, the scanned period's two blocks and two attentions, the stack's.
+    # The embedding's output, the scanned period's two blocks and two attentions, the stack's;
+    # a decode step's also the tokens, routed and shared outputs of the period's two MoE
+    # sub-layers (`constrain_tokens`).
     assert split["batch"] >= 6 and split["d_model"] == 0
-    assert stationary == {"d_model": split["batch"]}
+    assert stationary == {"d_model": split["batch"] + 2 * 3}
 
 
 def test_decode_through_views_of_the_expert_stacks_equals_one_device(single):

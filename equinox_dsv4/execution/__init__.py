@@ -24,6 +24,7 @@ from ._mesh import (
     EMBED_AXES as EMBED_AXES,
     batch_axes as batch_axes,
     constrain_batch as constrain_batch,
+    constrain_tokens as constrain_tokens,
     mesh_axis as mesh_axis,
 )
 from ._policy import (
@@ -79,5 +80,6 @@ __all__ = [
     "mesh_axis",
     "batch_axes",
     "constrain_batch",
+    "constrain_tokens",
     "EMBED_AXES",
 ]

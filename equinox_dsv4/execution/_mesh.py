@@ -56,13 +56,32 @@ def constrain_batch(x: Array, policy: Policy | None = None) -> Array:
     no-op without a mesh."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    if policy is not None and x.shape[0] * x.shape[1] <= policy.stationary_tokens:
-        axes = [a for a in EMBED_AXES if mesh_axis(a) > 1]
-        if axes and x.shape[-1] % _product(axes) == 0:
-            spec = P(*(None,) * (x.ndim - 1), tuple(axes))
-            return jax.lax.with_sharding_constraint(x, spec)
+    axes = _stationary_axes(x.shape[0] * x.shape[1], x.shape[-1], policy)
+    if axes:
+        return jax.lax.with_sharding_constraint(x, P(*(None,) * (x.ndim - 1), axes))
     seq, n = None, mesh_axis("expert")
     if policy is not None and 0 < policy.split_chunks <= x.shape[1] and x.shape[1] % n == 0:
         seq = "expert" if n > 1 else None
     spec = P(batch_axes(x.shape[0]), seq, *(None,) * (x.ndim - 2))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def constrain_tokens(x: Array, policy: Policy | None = None) -> Array:
+    """Flattened tokens `x` (`[tokens, ..., d_model]`) of a decode step (at most
+    `policy.stationary_tokens`) split along `d_model` as `constrain_batch` splits them at
+    block boundaries; other counts, or without a mesh, unchanged (flattened, a batch split
+    has no axis of its own to name)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    axes = _stationary_axes(x.shape[0], x.shape[-1], policy)
+    if not axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, P(*(None,) * (x.ndim - 1), axes))
+
+
+def _stationary_axes(tokens: int, width: int, policy: Policy | None) -> tuple[str, ...] | None:
+    # The axes that split a decode step's `d_model` (`Policy.stationary_tokens`), if any.
+    if policy is None or tokens > policy.stationary_tokens:
+        return None
+    axes = [a for a in EMBED_AXES if mesh_axis(a) > 1]
+    return tuple(axes) if axes and width % _product(axes) == 0 else None

@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import HASH_MOE, Config
-from ..execution import Policy, linear, policy_field, swiglu
+from ..execution import Policy, constrain_tokens, linear, policy_field, swiglu
 from ..quant import act_quant
 from ._experts import Experts
 from ._layers import Linear, f32, init_normal, lead
@@ -147,6 +147,7 @@ class MoE(eqx.Module):
     gate: Gate
     experts: Experts
     shared_experts: SharedExpert
+    policy: Policy | None = policy_field()
 
     def __init__(
         self,
@@ -166,6 +167,7 @@ class MoE(eqx.Module):
         self.gate = Gate(config, mlp_type == HASH_MOE, key=g_key, dtype=dtype)
         self.experts = Experts(config, key=e_key, dtype=dtype)
         self.shared_experts = SharedExpert(config, key=s_key, dtype=dtype)
+        self.policy = None
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], ids: Int[Array, "batch seq"]
@@ -183,10 +185,14 @@ class MoE(eqx.Module):
         """As `__call__`, plus the routing statistics of this call (`RouterStats`); every
         position of `x` counts, padding included."""
         b, s, d = x.shape
-        flat = x.reshape(-1, d)
+        # A decode step's tokens in the block's layout for the router, the shared expert and
+        # the sum: else the layout the routed experts take them in (split along the batch)
+        # reaches those products, and every device gathers their weights whole
+        # (`Policy.stationary_tokens`).
+        flat = constrain_tokens(x.reshape(-1, d), self.policy)
         weights, indices, scores = self.gate.route(flat, ids.reshape(-1))
-        routed = self.experts(flat, indices, weights)
-        out = routed + f32(self.shared_experts(flat))
+        routed = constrain_tokens(self.experts(flat, indices, weights), self.policy)
+        out = routed + constrain_tokens(f32(self.shared_experts(flat)), self.policy)
         n_experts, top_k = scores.shape[-1], indices.shape[-1]
         chosen = jnp.zeros((b, n_experts), jnp.float32)
         chosen = chosen.at[jnp.arange(b)[:, None], indices.reshape(b, s * top_k)].add(1.0)
