@@ -188,10 +188,11 @@ def test_expert_parallel_equals_one_device(name, tokens):
         np.testing.assert_allclose(b, a, **COMPONENT)
 
 
-@pytest.mark.parametrize("name", ["dense", "fp8-d_model"])
-# One row: the chosen experts gathered (from the stack in place); 4 rows over fsdp: every
-# local expert (the layer's slice); 64: the weights gathered over fsdp (the layer's slice).
-@pytest.mark.parametrize("tokens", [1, 4, 64])
+# One row: the chosen experts read from the stack in place (a quantised stack's too); 4 rows
+# over fsdp: every local expert (the layer's slice); 64: the weights gathered over fsdp.
+@pytest.mark.parametrize(
+    "name, tokens", [("dense", 1), ("dense", 4), ("dense", 64), ("fp8-d_model", 1)]
+)
 def test_a_view_of_a_layer_stack_equals_the_layer(name, tokens):
     # `Experts.layer`: layer 1's routed experts read through a view of a 3-layer stack (a
     # decode step's, `Policy.experts_in_place`), by a traced or a static index, equal the
