@@ -938,7 +938,9 @@ def _tpu_train(data: dict) -> str:
                 if compute >= cost["bytes_accessed"] / data["hbm_bytes_per_s"]
                 else "memory"
             )
-            mfu = f"<= {r['mfu_estimate']:.0%} ({r['estimate_seconds']:.2f} s, {bound})"
+            # The older rows, without `mfu_is`, counted the experts' loop once: upper bounds.
+            sign = ">=" if r.get("mfu_is") == "lower bound" else "<="
+            mfu = f"{sign} {r['mfu_estimate']:.0%} ({r['estimate_seconds']:.2f} s, {bound})"
         elif any("error" in c for c in r["costs"]):
             mfu = "n/a: " + next(_refusal(c["error"]) for c in r["costs"] if "error" in c)
         else:
@@ -1173,8 +1175,11 @@ SECTIONS: dict[str, Section] = {
         "TPU train steps",
         "tpu_train.py",
         "Train steps compiled for v5p slices: memory per chip, and where cost compiles ran, a "
-        "roofline step time and the MFU bound it gives. A refused run's file holds the "
-        "compiler's message alone: its configuration is `RUNS` in tpu_train.py.",
+        "roofline step time and the MFU bound it gives: an upper bound (<=) where the "
+        "routed experts ran as the loop, counted once per layer; a lower bound (>=) where "
+        "they ran as ragged_dot, counted over every row of each device's assignment buffer "
+        "(tpu_train.py's docstring). A refused run's file holds the compiler's message "
+        "alone: its configuration is `RUNS` in tpu_train.py.",
         _tpu_train,
         _TPU + "; step times and MFU are bounds from XLA's cost analysis at the published peak",
     ),

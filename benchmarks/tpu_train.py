@@ -14,22 +14,32 @@ forward, backward, optimizer update and router-bias update) on the default rules
   5 layers plus (layers - 5) / 2 times the difference the 6th and 7th make.
 
 From those: a roofline step time at v5p's published peak (`max(FLOPs / peak, bytes / HBM
-bandwidth)`) and the MFU it gives the step's useful FLOPs (`ed.train.train_flops`). Within a
-layer the experts' loop still counts once, so this time is a lower bound and the MFU an upper
-bound.
+bandwidth)`) and the MFU it gives the step's useful FLOPs (`ed.train.train_flops`). How the
+routed experts count depends on the form the row was compiled with (a cost compile's JSON
+names its `policy` since the TPU policy took `ragged_dot`; the older rows have none):
+- the experts' loop (the older rows) counts once per layer, so the time is a lower bound and
+  the MFU an upper bound;
+- `ragged_dot` (the TPU policy's) is counted over every row of a device's assignment buffer.
+  Under expert parallelism that buffer holds all of the device's tokens' assignments, of which
+  about 1 / `expert` are its own experts' (the others are dropped: outside every group), and
+  the cost analysis counts them all, so the routed experts' FLOPs count about `expert` times
+  over: the time is an upper bound and the MFU a lower bound.
 Estimates from the compiler on a CPU host; no TPU ran them.
 
     python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]
 
-Writes benchmarks/results/tpu_train.{json,md}.
+Writes benchmarks/results/tpu_train.{json,md}; with `--only`, the rows not compiled are kept
+from the results file with the date they were recorded.
 """
 
 import argparse
+import datetime
+import json
 import math
 import pathlib
 import re
 
-from common import markdown, write
+from common import RESULTS, markdown, write
 from tpu_memory import RULES, compile_arguments, compiled
 
 import equinox_dsv4 as ed
@@ -54,7 +64,7 @@ RUNS = {
     "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, False),
     "pro-256-nothing": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "nothing", 1, False),
     "pro-256-e16": ("v4-pro", "v5p:4x8x8", "fsdp=16,expert=16", 16, "dots", 1, False),
-    "pro-512": ("v4-pro", "v5p:8x8x8", "fsdp=16,expert=32", 16, "nothing", 1, False),
+    "pro-512": ("v4-pro", "v5p:8x8x8", "fsdp=16,expert=32", 16, "nothing", 1, True),
 }
 COST_LAYERS = (5, 7)
 
@@ -111,50 +121,96 @@ def roofline(costs: list[dict], layers: int, useful: float) -> dict:
         "useful_flops_per_chip": useful,
         "estimate_seconds": seconds,
         "mfu_estimate": useful / seconds / peak,
-        "bound": "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory",
     }
+
+
+def measured(name: str, work: pathlib.Path) -> dict:
+    """Run `name`'s compiles (reused from `work`) and its row: the reports, and where the cost
+    compiles ran, the roofline (`roofline`)."""
+    model, topology, mesh, batch, remat, micro, with_cost = RUNS[name][:7]
+    memory, costs = compiled_run(arguments, name, work, with_cost)
+    row = {"name": name, "memory": memory, "costs": costs}
+    if costs and not any("error" in c for c in costs):
+        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
+        chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+        useful = ed.train.train_flops(config, SEQ_LEN) * batch / chips
+        row |= roofline(costs, config.num_hidden_layers, useful)
+        row["mfu_is"] = mfu_is(costs)
+    return row
+
+
+def mfu_is(costs: list[dict]) -> str:
+    """Whether the MFU estimate from these cost compiles is an upper or a lower bound: the
+    routed experts' loop counts once per layer (upper; the older compiles, which name no
+    `policy`), `ragged_dot` over every row of the assignment buffer (lower; see the module's
+    docstring)."""
+    policy = costs[0].get("policy")
+    ragged = policy is not None and policy.get("experts", "ragged") == "ragged"
+    return "lower bound" if ragged else "upper bound"
+
+
+def cells(name: str, row: dict) -> list:
+    """The row's table cells (a kept row's with the date it was recorded)."""
+    model, topology, mesh, batch, remat, micro = RUNS[name][:6]
+    chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    recorded = f" ({row['recorded']})" if "recorded" in row else ""
+    out = [model + recorded, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
+    out += [", ".join((remat, *overrides(name))), micro]
+    memory, costs = row["memory"], row["costs"]
+    if "error" in memory:
+        why = out_of_memory(memory["error"])
+        why = f"out of memory: {why}" if why else memory["error"]
+        out += [f"refused ({why})", "-", "-"]
+    else:
+        gib = 2**30
+        train = memory["phases"]["train"]
+        arg, temp = train["argument_bytes"] / gib, train["temp_bytes"] / gib
+        out += [f"{arg:.2f} GiB", f"{temp:.2f} GiB", f"{arg + temp:.2f} GiB"]
+    if not costs:
+        out.append("not estimated (its cost compiles not run)")
+    elif any("error" in c for c in costs):
+        out.append("n/a: " + next(c["error"] for c in costs if "error" in c))
+    else:
+        peak, hbm = TPU_PEAKS["v5p"]
+        cost = row["cost_per_chip"]
+        bound = "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory"
+        mfu, seconds = row["mfu_estimate"], row["estimate_seconds"]
+        sign = ">=" if row.get("mfu_is", mfu_is(costs)) == "lower bound" else "<="
+        out.append(f"{sign} {mfu:.0%} ({seconds:.2f} s, {bound})")
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(RUNS),
+        help="these runs only; the other rows are kept from results/tpu_train.json",
+    )
     parser.add_argument("--work", default="/tmp/tpu-train", help="per-run JSON files (reused)")
     args = parser.parse_args()
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     peak, hbm = TPU_PEAKS["v5p"]
-    gib = 2**30
+    saved = RESULTS / "tpu_train.json"
+    kept = {}
+    if args.only and saved.exists():
+        # Kept rows keep the date they were recorded on (the file's date is this run's).
+        old = json.loads(saved.read_text())
+        kept = {r["name"]: {"recorded": old["date"], **r} for r in old["rows"]}
+    today = datetime.datetime.now(datetime.UTC).date().isoformat()
     rows, table = [], []
-    for name in args.only or RUNS:
-        model, topology, mesh, batch, remat, micro, with_cost = RUNS[name][:7]
-        memory, costs = compiled_run(arguments, name, work, with_cost)
-        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
-        chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
-        cells = [model, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
-        cells += [", ".join((remat, *overrides(name))), micro]
-        row = {"name": name, "memory": memory, "costs": costs}
-        if "error" in memory:
-            why = out_of_memory(memory["error"])
-            why = f"out of memory: {why}" if why else memory["error"]
-            cells += [f"refused ({why})", "-", "-"]
+    for name in RUNS:
+        if args.only and name not in args.only:
+            row = kept.get(name)
         else:
-            train = memory["phases"]["train"]
-            arg, temp = train["argument_bytes"] / gib, train["temp_bytes"] / gib
-            cells += [f"{arg:.2f} GiB", f"{temp:.2f} GiB", f"{arg + temp:.2f} GiB"]
-        if not costs:
-            cells.append("not estimated (its cost compiles not run)")
-        elif any("error" in c for c in costs):
-            cells.append("n/a: " + next(c["error"] for c in costs if "error" in c))
-        else:
-            useful = ed.train.train_flops(config, SEQ_LEN) * batch / chips
-            bound = roofline(costs, config.num_hidden_layers, useful)
-            kind = bound.pop("bound")
-            row |= bound
-            mfu, seconds = bound["mfu_estimate"], bound["estimate_seconds"]
-            cells.append(f"<= {mfu:.0%} ({seconds:.2f} s, {kind})")
+            row = {"recorded": today, **measured(name, work)}
+        if row is None:
+            continue
         rows.append(row)
-        table.append(cells)
-        print(cells, flush=True)
+        table.append(cells(name, row))
+        print(table[-1], flush=True)
     header = ["model", "chips (topology)", "mesh", "sequence", "global batch", "remat"]
     header += ["micro-batches", "arguments / chip", "temporaries / chip", "total / chip"]
     header += ["MFU estimate (step time), v5p peak"]
