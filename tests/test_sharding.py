@@ -5,6 +5,7 @@ FLOPs follow top-k, not the number of experts."""
 import collections
 import dataclasses
 import json
+import math
 import re
 
 import equinox as eqx
@@ -319,12 +320,15 @@ def test_decode_moves_tokens_not_expert_weights(single):
     assert _gathered_expert_stacks(few, local) == 0
 
 
-def test_decode_keeps_the_router_and_shared_expert_in_place():
-    # Under the TPU's rules and policy, a decode step's router and shared expert multiply each
-    # device's slice of their weights (`constrain_tokens`). In the layout the routed experts
-    # take the tokens in (split along the batch), every device gathered both weights whole in
-    # every layer (benchmarks/tpu_roofline.py, the 8-sequence decode rows). Equal to one
-    # device. Sizes that no activation of the step has: d_model 64, hidden 48, 16 experts.
+def test_decode_keeps_the_moe_and_query_weights_in_place():
+    # Under the TPU's rules and policy, a decode step's router, shared expert and queries'
+    # second projections (`wq_b`, the indexer's) multiply each device's slice of their
+    # weights (`constrain_features`). In the layout the routed experts take the tokens in
+    # (split along the batch), every device gathered the router's and the shared expert's
+    # weights whole in every layer, and with the low-rank queries as `wq_a` leaves them, its
+    # slice of every head's `wq_b` (benchmarks/tpu_roofline.py, the 8-sequence decode rows).
+    # Equal to one device. Sizes that no activation of the step has: d_model 64, hidden 48,
+    # 16 experts.
     config = tiny_config(
         layer_types=(C, H, C, H),
         num_hash_layers=0,
@@ -351,12 +355,18 @@ def test_decode_keeps_the_router_and_shared_expert_in_place():
     np.testing.assert_allclose(got, want, **COMPONENT)
     d, f, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
     weights = {(e, d), (f, d), (d, f)}  # the router's, the shared expert's
+    queries = {  # `wq_b`'s and the indexer's outputs (any split into heads) by the low rank
+        config.num_attention_heads * config.head_dim,
+        config.index_n_heads * config.index_head_dim,
+    }
     gathered = []
     for line in text.splitlines():
         result = re.match(r"\s*%\S+ = (.*?) all-(gather|reduce)(-start)?\(", line)
         for dims in re.findall(r"\[([\d,]*)\]", result[1] if result else ""):
             shape = tuple(int(n) for n in dims.split(",") if n)
-            if len(shape) <= 3 and shape[-2:] in weights:
+            moe = len(shape) <= 3 and shape[-2:] in weights
+            query = shape[-1:] == (config.q_lora_rank,) and math.prod(shape[:-1]) in queries
+            if moe or query:
                 gathered.append(line[:160])
     assert not gathered, gathered
 
@@ -372,9 +382,9 @@ def test_decode_keeps_dense_weights_in_place(single):
     split, stationary = _constraints(many), _constraints(few)
     # The embedding's output, the scanned period's two blocks and two attentions, the stack's;
     # a decode step's also the tokens, routed and shared outputs of the period's two MoE
-    # sub-layers (`constrain_tokens`).
-    assert split["batch"] >= 6 and split["d_model"] == 0
-    assert stationary == {"d_model": split["batch"] + 2 * 3}
+    # sub-layers and the low-rank queries of its two attentions (`constrain_features`).
+    assert split["batch"] >= 6 and split["d_model"] == split["q_lora"] == 0
+    assert stationary == {"d_model": split["batch"] + 2 * 3, "q_lora": 2}
 
 
 def test_decode_through_views_of_the_expert_stacks_equals_one_device(single):
@@ -418,8 +428,9 @@ def _prefill_then_step(single, axes, forward=False, **policy) -> tuple[str, str]
 
 def _constraints(text: str) -> collections.Counter:
     # The lowered program's sharding constraints on activations `[batch, chunk, ...]`: split
-    # along the batch over fsdp, along the last dim (d_model) over fsdp and expert, or along
-    # the batch and the sequence over expert.
+    # along the batch over fsdp, along the last dim over fsdp and expert (d_model) or over
+    # fsdp (the low-rank queries, `Q_LORA_AXES`), or along the batch and the sequence over
+    # expert.
     out = collections.Counter()
     for spec in re.findall(r"sdy.sharding_constraint %\S+ <@mesh, \[(.*?)\]>", text):
         dims = re.findall(r"\{([^}]*)\}", spec)
@@ -427,6 +438,8 @@ def _constraints(text: str) -> collections.Counter:
             out["batch"] += 1
         elif dims[-1] == '"fsdp", "expert"' and not any(dims[:-1]):
             out["d_model"] += 1
+        elif dims[-1] == '"fsdp"' and not any(dims[:-1]):
+            out["q_lora"] += 1
         elif dims[:2] == ['"fsdp"', '"expert"'] and not any(dims[2:]):
             out["sequence"] += 1
         else:

@@ -22,9 +22,10 @@ from ._loop import (
 )
 from ._mesh import (
     EMBED_AXES as EMBED_AXES,
+    Q_LORA_AXES as Q_LORA_AXES,
     batch_axes as batch_axes,
     constrain_batch as constrain_batch,
-    constrain_tokens as constrain_tokens,
+    constrain_features as constrain_features,
     mesh_axis as mesh_axis,
 )
 from ._policy import (
@@ -80,6 +81,7 @@ __all__ = [
     "mesh_axis",
     "batch_axes",
     "constrain_batch",
-    "constrain_tokens",
+    "constrain_features",
     "EMBED_AXES",
+    "Q_LORA_AXES",
 ]

@@ -17,6 +17,9 @@ BATCH_AXES = ("data", "fsdp")
 # The mesh axes that split the dense weights' `d_model` by default on a TPU mesh
 # (`parallel.FSDP_EXPERT_RULES`): a decode step's activations split the same way.
 EMBED_AXES = ("fsdp", "expert")
+# The mesh axes that split the input dim of the queries' second projections by default
+# (logical `q_lora_in`: `wq_b`, the indexer's `wq_b`).
+Q_LORA_AXES = ("fsdp",)
 
 
 def mesh_axis(name: str) -> int:
@@ -66,22 +69,29 @@ def constrain_batch(x: Array, policy: Policy | None = None) -> Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
-def constrain_tokens(x: Array, policy: Policy | None = None) -> Array:
-    """Flattened tokens `x` (`[tokens, ..., d_model]`) of a decode step (at most
-    `policy.stationary_tokens`) split along `d_model` as `constrain_batch` splits them at
-    block boundaries; other counts, or without a mesh, unchanged (flattened, a batch split
-    has no axis of its own to name)."""
+def constrain_features(
+    x: Array, tokens: int, policy: Policy | None = None, axes: tuple[str, ...] = EMBED_AXES
+) -> Array:
+    """A decode step's activations `x` (`[..., features]`, `tokens` of them: at most
+    `policy.stationary_tokens`) split along their features over `axes` (those the mesh has),
+    as the default placement splits the input dim of the weights they enter (`d_model`:
+    `EMBED_AXES`, as `constrain_batch` splits them at block boundaries). Each device then
+    multiplies its slice of the weight and the partial sums travel; in another layout XLA
+    may gather the weight instead. Other counts, or without a mesh, unchanged."""
     if jax.sharding.get_abstract_mesh().empty:
         return x
-    axes = _stationary_axes(x.shape[0], x.shape[-1], policy)
+    axes = _stationary_axes(tokens, x.shape[-1], policy, axes)
     if not axes:
         return x
     return jax.lax.with_sharding_constraint(x, P(*(None,) * (x.ndim - 1), axes))
 
 
-def _stationary_axes(tokens: int, width: int, policy: Policy | None) -> tuple[str, ...] | None:
-    # The axes that split a decode step's `d_model` (`Policy.stationary_tokens`), if any.
+def _stationary_axes(
+    tokens: int, width: int, policy: Policy | None, axes: tuple[str, ...] = EMBED_AXES
+) -> tuple[str, ...] | None:
+    # The axes of `axes` that split a decode step's features (`Policy.stationary_tokens`), if
+    # any.
     if policy is None or tokens > policy.stationary_tokens:
         return None
-    axes = [a for a in EMBED_AXES if mesh_axis(a) > 1]
+    axes = [a for a in axes if mesh_axis(a) > 1]
     return tuple(axes) if axes and width % _product(axes) == 0 else None

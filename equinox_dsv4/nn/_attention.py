@@ -22,8 +22,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..config import CSA, HCA, SLIDING, Config
 from ..execution import (
+    Q_LORA_AXES,
     Policy,
     constrain_batch,
+    constrain_features,
     grouped_linear,
     map_chunks,
     policy_field,
@@ -335,7 +337,9 @@ class Attention(eqx.Module):
         b, t, _ = x.shape
         n = self.numerics
         xq = act_quant(x, n)  # once: wq_a and wkv read the same FP8 activations
-        qr = self.q_norm(self.wq_a(xq))
+        # A decode step's low-rank queries split as `wq_b`'s input is: else each device
+        # gathers its heads' share of `wq_b` and of the indexer's (`Policy.stationary_tokens`).
+        qr = constrain_features(self.q_norm(self.wq_a(xq)), b * t, self.policy, Q_LORA_AXES)
         q = self.wq_b(act_quant(qr, n)).reshape(b, t, self.n_heads, self.head_dim)
         q = self.rope(rms_normalize(q, self.eps), positions)
         kv = self.rope(self.kv_norm(self.wkv(xq)), positions)

@@ -15,7 +15,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import HASH_MOE, Config
-from ..execution import Policy, constrain_tokens, linear, policy_field, swiglu
+from ..execution import Policy, constrain_features, linear, policy_field, swiglu
 from ..quant import act_quant
 from ._experts import Experts
 from ._layers import Linear, f32, init_normal, lead
@@ -189,10 +189,11 @@ class MoE(eqx.Module):
         # the sum: else the layout the routed experts take them in (split along the batch)
         # reaches those products, and every device gathers their weights whole
         # (`Policy.stationary_tokens`).
-        flat = constrain_tokens(x.reshape(-1, d), self.policy)
+        tokens = b * s
+        flat = constrain_features(x.reshape(tokens, d), tokens, self.policy)
         weights, indices, scores = self.gate.route(flat, ids.reshape(-1))
-        routed = constrain_tokens(self.experts(flat, indices, weights), self.policy)
-        out = routed + constrain_tokens(f32(self.shared_experts(flat)), self.policy)
+        routed = constrain_features(self.experts(flat, indices, weights), tokens, self.policy)
+        out = routed + constrain_features(f32(self.shared_experts(flat)), tokens, self.policy)
         n_experts, top_k = scores.shape[-1], indices.shape[-1]
         chosen = jnp.zeros((b, n_experts), jnp.float32)
         chosen = chosen.at[jnp.arange(b)[:, None], indices.reshape(b, s * top_k)].add(1.0)
