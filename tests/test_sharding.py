@@ -24,14 +24,8 @@ from equinox_dsv4.quant import quantize
 # Heads, groups, experts and hidden units divisible by 8 (the vocabulary, 97, is not: it stays
 # replicated). Four layers: one scan of two (CSA, HCA) pairs. Sharding changes only the order of
 # float32 sums; the largest logit difference here is 9.1e-6 (FSDP), under the 1e-5 asked for.
-CONFIG = tiny_config(
-    layer_types=(C, H, C, H),
-    num_hash_layers=0,
-    scan_min_repeats=2,
-    num_attention_heads=8,
-    o_groups=4,
-    num_nextn_predict_layers=0,
-)
+STACK = dict(layer_types=(C, H, C, H), num_hash_layers=0, scan_min_repeats=2)
+CONFIG = tiny_config(**STACK, num_attention_heads=8, o_groups=4, num_nextn_predict_layers=0)
 FSDP_EXPERT = ed.parallel.FSDP_EXPERT_RULES
 MESHES = {
     "fsdp": dict(fsdp=8),
@@ -330,9 +324,7 @@ def test_decode_keeps_the_moe_and_query_weights_in_place():
     # Equal to one device. Sizes that no activation of the step has: d_model 64, hidden 48,
     # 16 experts.
     config = tiny_config(
-        layer_types=(C, H, C, H),
-        num_hash_layers=0,
-        scan_min_repeats=2,
+        **STACK,
         num_nextn_predict_layers=0,
         hidden_size=64,
         moe_intermediate_size=48,
