@@ -89,6 +89,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
             stationary_tokens=64,
             stationary_rows=512,
             split_chunks=1024,
+            experts_in_place=True,
         )
     )
     assert (

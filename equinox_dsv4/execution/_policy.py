@@ -84,9 +84,9 @@ class Policy:
       stack per layer.
     - `experts_in_place`: a decode step's layer loop hands each layer's routed experts the
       whole stacked weights with the layer's index (a view, `Experts.layer`), and the forms
-      that read only the chosen experts gather them from the stack in place. Otherwise the
+      that read only the chosen experts read them from the stack in place. Otherwise the
       loop takes each layer's slice of every expert first, which XLA's TPU compiler copies
-      whole (one sequence with a long context: most of the step's traffic) before gathering
+      whole (one sequence with a long context: most of the step's traffic) before reading
       the chosen experts from the copy.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for

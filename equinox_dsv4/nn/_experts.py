@@ -19,8 +19,8 @@ class Experts(eqx.Module):
 
     In a view of a layer stack (`LayerStack`'s decode step, where `Policy.experts_in_place`
     says so), the weights are the whole stack's, `[layers, experts, ...]`, and `layer` the
-    index of this layer in it: the few experts a decode step chooses are then gathered from
-    the stack in place, not from a copy of the layer's every expert."""
+    index of this layer in it: the few experts a decode step chooses are then read from the
+    stack in place, not from a copy of the layer's every expert."""
 
     w1: Float[Array, "*layers experts inter d_model"] | QuantizedWeight | LoraWeight
     w2: Float[Array, "*layers experts d_model inter"] | QuantizedWeight | LoraWeight
