@@ -74,7 +74,9 @@ def dispatch(
     if rows <= n_experts:
         run = _gathered if policy.gather_experts else _one_by_one
         x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[-1])).reshape(rows, -1)
-        chosen = chosen_experts(expert, n_experts, layer)
+        chosen = jnp.minimum(expert, n_experts - 1)  # a dropped one: any, zeroed below
+        if layer is not None:  # one gather from the stack at [layer, expert]
+            chosen = (jnp.asarray(layer, chosen.dtype), chosen)
         ys = run(x_rows, weights.reshape(rows), chosen, w1, w2, w3, act, policy)
         ys = jnp.where((expert < n_experts)[:, None], ys, 0.0)
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
@@ -172,22 +174,11 @@ def of_layer(w: Any, layer: Int[Array, ""] | int | None) -> Any:
     return w if layer is None else w[layer]
 
 
-def chosen_experts(
-    expert: Int[Array, " rows"], n_experts: int, layer: Int[Array, ""] | int | None
-) -> Int[Array, " rows"] | tuple[Int[Array, ""], Int[Array, " rows"]]:
-    """The index into a weight (a layer's experts, or with `layer` a stack's) of each
-    assignment's expert, an out-of-range one (dropped) clamped into range: one gather reads
-    the chosen experts of a stack in place, where taking the layer's slice first would copy
-    the layer's every expert."""
-    chosen = jnp.minimum(expert, n_experts - 1)
-    return chosen if layer is None else (jnp.asarray(layer, chosen.dtype), chosen)
-
-
 def _gathered(xs, ws, chosen, w1, w2, w3, act, policy):
-    # The chosen experts' weights in one gather (`chosen_experts`), the products batched over
-    # assignments. In a scanned layer stack, XLA fuses the gather with the layer's slicing
-    # and reads only the chosen experts; a loop would get the layer's slice of every expert
-    # copied in.
+    # The chosen experts' weights in one gather (from a layer stack in place where `chosen`
+    # holds the layer too), the products batched over assignments. In a scanned layer stack,
+    # XLA fuses the gather with the layer's slicing and reads only the chosen experts; a loop
+    # would get the layer's slice of every expert copied in.
     one = functools.partial(_expert_row, act=act, policy=policy)
     return jax.vmap(one)(xs, ws, w1[chosen], w2[chosen], w3[chosen])
 
