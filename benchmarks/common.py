@@ -235,13 +235,28 @@ def _cpu_info() -> dict:
     return info
 
 
+def today() -> str:
+    """Today's date, UTC, ISO: what a results file or row records."""
+    return datetime.datetime.now(datetime.UTC).date().isoformat()
+
+
+def recorded(name: str) -> dict:
+    """`results/NAME.json` as `write` left it, each row with the date it was recorded (its
+    own `recorded`, else the file's date: the file's is that of its last run), or `{}` where
+    there is none: a run of some rows keeps the others from it."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    return old | {"rows": [{"recorded": old["date"], **r} for r in old["rows"]]}
+
+
 def write(name: str, rows: list[dict], table: str, extra: dict | None = None) -> None:
     """`results/NAME.json` (the date it was recorded, UTC; the machine; `rows`; `extra`) and
     `results/NAME.md` (`table`, printed too). docs/performance.md is generated from the JSON:
     `python benchmarks/performance.py`."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    date = datetime.datetime.now(datetime.UTC).date().isoformat()
-    payload = {"date": date, "machine": machine(), "rows": rows, **(extra or {})}
+    payload = {"date": today(), "machine": machine(), "rows": rows, **(extra or {})}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     (RESULTS / f"{name}.md").write_text(table)
     print(table)

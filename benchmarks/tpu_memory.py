@@ -14,14 +14,13 @@ Writes benchmarks/results/tpu_memory.{json,md}.
 """
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
-from common import ROOT, markdown, write
+from common import ROOT, markdown, recorded, today, write
 
 import equinox_dsv4 as ed
 
@@ -135,20 +134,15 @@ def main() -> int:
     args = parser.parse_args()
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    saved = ROOT / "benchmarks" / "results" / "tpu_memory.json"
-    kept = {}
-    if args.only and saved.exists():
-        # Kept rows keep the date they were recorded on (the file's date is this run's).
-        old = json.loads(saved.read_text())
-        kept = {r["name"]: {"recorded": old["date"], **r} for r in old["rows"]}
-    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    kept = {r["name"]: r for r in recorded("tpu_memory").get("rows", [])} if args.only else {}
+    date = today()
     rows, table = [], []
     for name in RUNS:
         if args.only and name not in args.only:
             row = kept.get(name)
         else:
             report = run(name, work)
-            row = None if report is None else {"name": name, "recorded": today, **report}
+            row = None if report is None else {"name": name, "recorded": date, **report}
             row = row and {k: v for k, v in row.items() if k != "build_seconds"}
         if row is None:
             continue

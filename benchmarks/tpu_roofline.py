@@ -45,7 +45,6 @@ Writes benchmarks/results/tpu_roofline.{json,md}.
 import argparse
 import collections
 import dataclasses
-import datetime
 import glob
 import json
 import math
@@ -60,7 +59,7 @@ import typing
 
 import hlo
 import jax
-from common import ROOT, markdown, weight_kinds, write
+from common import ROOT, markdown, recorded, today, weight_kinds, write
 from tpu_memory import RULES, compile_arguments
 
 import equinox_dsv4 as ed
@@ -347,20 +346,16 @@ def main() -> int:
     rows, table, breakdown = [], [], []
     names = args.only or list(DEFAULT_RUNS)
     phases = {n: [p for p in RUNS[n].phases if p in (args.phases or RUNS[n].phases)] for n in names}
-    saved = ROOT / "benchmarks" / "results" / "tpu_roofline.json"
-    kept, layer = {}, None
-    if (args.only or args.phases) and saved.exists():
-        # Kept rows keep the date they were recorded on (the file's date is this run's).
-        old = json.loads(saved.read_text())
-        kept = {(r["name"], r["phase"]): {"recorded": old["date"], **r} for r in old["rows"]}
-        layer = old.get("prefill_layer")
+    old = recorded("tpu_roofline") if args.only or args.phases else {}
+    kept = {(r["name"], r["phase"]): r for r in old.get("rows", [])}
+    layer = old.get("prefill_layer")
     # Every compile first: this process must not start JAX's TPU client (libtpu admits one
     # process at a time) before its compiler subprocesses are done. The decode step's report
     # gives the batch and cache length of the floors.
     compiled = {n: {p: compile_report(n, p, work) for p in {*phases[n], "decode"}} for n in names}
     if "prefill" in phases.get("flash-b-64", ()) or layer is None:
         layer = layer_traffic(work)
-    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    date = today()
     for name in [*DEFAULT_RUNS, *(n for n in RUNS if n not in DEFAULT_RUNS)]:
         run = RUNS[name]
         model, quantized, topology, mesh = run.model, run.quantized, TOPOLOGY, MESH
@@ -387,7 +382,7 @@ def main() -> int:
             tokens = batch * (PREFILL if phase == "prefill" else 1)
             row = {
                 "name": name,
-                "recorded": today,
+                "recorded": date,
                 "phase": phase,
                 "topology": topology,
                 "mesh": mesh,

@@ -33,13 +33,11 @@ from the results file with the date they were recorded.
 """
 
 import argparse
-import datetime
-import json
 import math
 import pathlib
 import re
 
-from common import RESULTS, markdown, write
+from common import markdown, recorded, today, write
 from tpu_memory import RULES, compile_arguments, compiled
 
 import equinox_dsv4 as ed
@@ -175,7 +173,7 @@ def cells(name: str, row: dict) -> list:
         cost = row["cost_per_chip"]
         bound = "compute" if cost["flops"] / peak >= cost["bytes_accessed"] / hbm else "memory"
         mfu, seconds = row["mfu_estimate"], row["estimate_seconds"]
-        sign = ">=" if row.get("mfu_is", mfu_is(costs)) == "lower bound" else "<="
+        sign = ">=" if mfu_is(costs) == "lower bound" else "<="
         out.append(f"{sign} {mfu:.0%} ({seconds:.2f} s, {bound})")
     return out
 
@@ -193,19 +191,14 @@ def main() -> int:
     work = pathlib.Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     peak, hbm = TPU_PEAKS["v5p"]
-    saved = RESULTS / "tpu_train.json"
-    kept = {}
-    if args.only and saved.exists():
-        # Kept rows keep the date they were recorded on (the file's date is this run's).
-        old = json.loads(saved.read_text())
-        kept = {r["name"]: {"recorded": old["date"], **r} for r in old["rows"]}
-    today = datetime.datetime.now(datetime.UTC).date().isoformat()
+    kept = {r["name"]: r for r in recorded("tpu_train").get("rows", [])} if args.only else {}
+    date = today()
     rows, table = [], []
     for name in RUNS:
         if args.only and name not in args.only:
             row = kept.get(name)
         else:
-            row = {"recorded": today, **measured(name, work)}
+            row = {"recorded": date, **measured(name, work)}
         if row is None:
             continue
         rows.append(row)
