@@ -183,6 +183,62 @@ def test_expert_parallel_equals_one_device(name, tokens):
         np.testing.assert_allclose(b, a, **COMPONENT)
 
 
+# (mesh, buffer, routing): each device's own assignments in one buffer for all of its tokens'
+# (0), a round at twice or at once their even share (about one round of two), or every token
+# on the first device's experts (all of its rounds, its neighbours none).
+ROUNDS = [
+    (dict(fsdp=2, expert=4), 0, "even"),
+    (dict(fsdp=2, expert=4), 2, "even"),
+    (dict(fsdp=2, expert=4), 1, "one device"),
+    (dict(data=2, fsdp=2, expert=2), 1, "even"),
+    (dict(data=2, fsdp=2, expert=2), 1, "one device"),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, buffer, routing", ROUNDS)
+def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape):
+    # The TPUs' form under expert parallelism: each device runs its own assignments through
+    # `ragged_dot`, all at once or (`Policy.expert_buffer`) a buffer at a time in as many
+    # rounds as they need. Outputs and gradients equal one device's, however the router
+    # chooses: nothing is dropped. (The input's gradient once missed the other devices'
+    # share here: `_alike` in execution/_dispatch.py.)
+    config = tiny_config(hidden_size=32, moe_intermediate_size=16)
+    experts = random_fill(abstract(ed.nn.Experts, config), seed=8)
+    tokens, rng = 64, np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((tokens, 32)), jnp.float32)
+    choices = 8 if routing == "even" else 8 // mesh_shape["expert"]  # the first device's
+    ids = np.stack([rng.permutation(choices)[:2] for _ in range(tokens)])
+    ids = jnp.asarray(ids, jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    policy = ed.execution.Policy(experts="ragged", expert_buffer=buffer)
+
+    @eqx.filter_jit
+    def value_and_grad(experts, x):
+        def loss(diff):
+            y = diff[0](diff[1], ids, w)
+            return jnp.sum(y * jnp.cos(y)), y
+
+        return eqx.filter_value_and_grad(loss, has_aux=True)((experts, x))
+
+    (_, want), g1 = value_and_grad(ed.execution.with_policy(experts, policy), x)
+    mesh = ed.make_mesh(**mesh_shape)
+    sharded = ed.execution.with_policy(ed.shard(experts, mesh), policy)
+    with jax.set_mesh(mesh):
+        (_, got), g2 = value_and_grad(sharded, x)
+        jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded, x))
+    # Each device: the assignments of its tokens (64 over the batch axes, two each); a round
+    # holds `buffer` times its even share of them.
+    rows = 2 * tokens // (mesh_shape["fsdp"] * mesh_shape.get("data", 1))
+    share = buffer * rows // mesh_shape["expert"]
+    assert "ragged_dot" in jaxpr and ("scan" in jaxpr) == bool(buffer)
+    assert not buffer or f"length={rows // share}" in jaxpr
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        # Each gradient sums 128 assignments' terms, in another order on each mesh; an
+        # element where they cancel keeps the absolute error of the largest (1e-5 of them).
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
 # One row: the chosen experts read from the stack in place (a quantised stack's too); 4 rows
 # over fsdp: every local expert (the layer's slice); 64: the weights gathered over fsdp.
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..quant import LoraWeight, QuantizedWeight, act_quant, base_of
-from ._expert_loop import _expert_block, _over_experts, expert_mlps, swiglu
+from ._expert_loop import _expert_block, _over_experts, expert_mlps, swiglu, varying_like
 from ._policy import Policy, resolve
 from ._products import wider_dtype
 
@@ -36,6 +36,8 @@ def dispatch(
     numerics: str,
     policy: Policy | None,
     layer: Int[Array, ""] | int | None = None,
+    *,
+    at_once: int | None = None,
 ) -> Float[Array, "tokens d_model"]:
     """Routed experts for the (token, expert) assignments, computed only where assigned. An
     assignment to expert `experts` (out of range) is dropped. With a `layer`, the weights are
@@ -47,6 +49,10 @@ def dispatch(
     in blocks through that expert in a loop over experts (`expert_mlps`), which reads each
     expert's weights once; `"ragged"`, `jax.lax.ragged_dot` over the sorted rows (dense
     weights only: quantised ones take the loop, which dequantises one expert at a time). With
+    `at_once`, the ragged form runs at most that many assignments at a time, in rounds, each
+    its own share of the sorted rows, for as many rounds as the assignments kept need
+    (`_ragged_rounds`): expert parallelism's assignments are mostly other devices', dropped
+    here, and a buffer for every one would be sized for the worst case. With
     at most one assignment per expert on average (decoding), each assignment runs through its
     own expert, reading only the `top_k` chosen experts per token: in a loop over
     assignments, one expert's weights at a time, or with `policy.gather_experts` the chosen
@@ -82,6 +88,11 @@ def dispatch(
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
     quantized = isinstance(base_of(w1), QuantizedWeight)
     if policy.experts == "ragged" and not quantized:
+        # Under `shard_map`, every operand is first made to vary over the mesh axes of all of
+        # them (`_alike`), outside the products and the rounds.
+        x, weights, expert, w1, w2, w3 = _alike(x, weights, expert, w1, w2, w3)
+        if at_once is not None and at_once < rows:
+            return _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, at_once)
         ys = _ragged(x, weights, expert, top_k, w1, w2, w3, act)
         return jnp.sum(ys.reshape(tokens, top_k, -1).astype(jnp.float32), axis=1)
     # Block size: about one block per expert at this load, a power of two in [1, 128].
@@ -122,17 +133,68 @@ _RAGGED = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+def _alike(*operands: Any) -> tuple[Any, ...]:
+    # `operands`, each varying over the mesh axes of all of them (none outside `shard_map`).
+    # Widened inside the products, an operand's widening would transpose to a sum across
+    # devices that `ragged_dot`'s own transpose leaves out (an input's gradient under expert
+    # parallelism would then miss the other devices' experts' share), and inside a round
+    # that some devices run and others skip, that sum would deadlock.
+    return tuple(jax.tree.map(lambda a: varying_like(a, operands), o) for o in operands)
+
+
 def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
     # The assignments sorted by expert (the dropped ones last, outside every group), the three
     # products as ragged dots over the groups, each assignment's output rounded to x.dtype as
     # the loop's are, then back in assignment order: [rows, d_model].
-    limit, numerics = act
     n_experts = w1.shape[0]
     order = jnp.argsort(expert, stable=True)
     counts = jnp.bincount(expert, length=n_experts).astype(jnp.int32)
-    xs = x[order // top_k]
-    ws = weights.reshape(-1)[order]
-    c = wider_dtype(x, w1)
+    ys = _grouped_mlp(x[order // top_k], weights.reshape(-1)[order], counts, w1, w2, w3, act)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return jnp.where((expert < n_experts)[:, None], ys[position], 0)
+
+
+def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size):
+    # The assignments sorted by expert as in `_ragged`, the kept ones first, then run `size`
+    # sorted rows at a time: round r takes rows [r * size, (r + 1) * size), each group cut to
+    # its part of them, and adds its outputs into their tokens' float32 sums. The rounds are a
+    # loop over every round the rows could need (all of them kept), and a round past the
+    # kept rows does nothing, so the work and the buffers follow the rows kept, up to `size`
+    # at a time, and no assignment is dropped however the router chooses.
+    n_experts = w1.shape[0]
+    rows = expert.shape[0]
+    rounds = -(-rows // size)
+    order = jnp.argsort(expert, stable=True)
+    order = jnp.pad(order, (0, rounds * size - rows))  # past every group: never held
+    counts = jnp.bincount(expert, length=n_experts).astype(jnp.int32)
+    ends = jnp.cumsum(counts)
+    kept = ends[-1]
+    flat_weights = weights.reshape(-1)
+
+    def one_round(y, start):
+        def run(y):
+            picked = jax.lax.dynamic_slice_in_dim(order, start, size)
+            token = picked // top_k
+            # Each group's rows within this round's window.
+            sizes = jnp.clip(ends - start, 0, size) - jnp.clip(ends - counts - start, 0, size)
+            ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act)
+            held = start + jnp.arange(size) < kept
+            return y.at[token].add(jnp.where(held[:, None], ys.astype(jnp.float32), 0.0))
+
+        return jax.lax.cond(start < kept, run, lambda y: y, y), None
+
+    y = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
+    y = varying_like(y, x)
+    starts = jnp.arange(rounds, dtype=jnp.int32) * size
+    return jax.lax.scan(one_round, y, starts)[0]
+
+
+def _grouped_mlp(xs, ws, counts, w1, w2, w3, act):
+    # Rows sorted by expert (`counts[e]` rows of expert e in order, any rows after them
+    # outside every group) through their experts by ragged dots, each row's hidden
+    # activation weighted by its routing weight `ws` and its output rounded to xs.dtype.
+    limit, numerics = act
+    c = wider_dtype(xs, w1)
     # 16-bit operands' products are exact in the float32 accumulator at any precision; a
     # `HIGHEST` default would ask TPU's ragged-dot kernel for a float32 contraction it refuses.
     precision = jax.lax.Precision.DEFAULT if jnp.dtype(c).itemsize < 4 else None
@@ -151,10 +213,8 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
         )
 
     g, u = product(xs, w1), product(xs, w3)
-    h = act_quant((swiglu(g, u, limit) * ws[:, None]).astype(x.dtype), numerics)
-    ys = product(h, w2).astype(x.dtype)
-    position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return jnp.where((expert < n_experts)[:, None], ys[position], 0)
+    h = act_quant((swiglu(g, u, limit) * ws[:, None]).astype(xs.dtype), numerics)
+    return product(h, w2).astype(xs.dtype)
 
 
 def _one_by_one(xs, ws, chosen, w1, w2, w3, act, policy):

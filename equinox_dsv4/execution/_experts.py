@@ -5,6 +5,7 @@ expert parallelism), gathering the weights over `fsdp` for many tokens and movin
 to the weights for few."""
 
 import functools
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -185,8 +186,13 @@ def _gathering(x, indices, weights, w1, w2, w3, layer=None, *, act, axes, spread
     w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
     w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])
     local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
+    at_once = None
+    if policy.expert_buffer:  # `expert_buffer` times this device's even share, in 8s
+        share = policy.expert_buffer * indices.size / mesh_axis("expert")
+        at_once = 8 * math.ceil(share / 8)
     # The gathered weights are a value, not a parameter (see `dispatch`).
-    y = dispatch(x, local_ids, mine_weights, w1, w2, w3, *act, replace(policy, gather_experts=True))
+    policy = replace(policy, gather_experts=True)
+    y = dispatch(x, local_ids, mine_weights, w1, w2, w3, *act, policy, at_once=at_once)
     if spread:
         y = jnp.where(jax.lax.axis_index("fsdp") == 0, y, jnp.zeros_like(y))
         reduce += ("fsdp",)

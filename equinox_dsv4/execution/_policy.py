@@ -63,6 +63,11 @@ class Policy:
       the products, instead of a loop over assignments. Set by the layer loop for a scanned
       stack, whose expert weights are slices (values, which a loop would copy whole), not by
       the platform.
+    - `expert_buffer`: under expert parallelism with many assignments, a device runs the
+      assignments to its own experts (about `1 / mesh["expert"]` of its tokens') at most this
+      many times that even share at once, in the ragged form, in as many rounds as they
+      need: dropless, with buffers that follow its own assignments, not every one of its
+      tokens' (0: all of its tokens' assignments in one buffer, its own ones grouped first).
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
     - `stationary_tokens`: up to this many tokens at a block boundary (batch x chunk: a
@@ -103,6 +108,7 @@ class Policy:
     blocked_argmax: bool = False
     experts: Literal["loop", "ragged"] = "loop"
     gather_experts: bool = False
+    expert_buffer: int = 0
     few_writes: int = 16
     few_tokens: int = 16
     stationary_rows: int = 64
@@ -116,6 +122,7 @@ class Policy:
         if self.experts not in ("loop", "ragged"):
             raise ValueError(f"Policy.experts must be 'loop' or 'ragged', got {self.experts!r}")
         counts = (
+            "expert_buffer",
             "few_writes",
             "few_tokens",
             "stationary_rows",
