@@ -85,6 +85,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
         == ed.execution.Policy(
             "tpu",
             experts="ragged",
+            expert_buffer=2,
             barrier_slices=False,
             stationary_tokens=64,
             stationary_rows=512,

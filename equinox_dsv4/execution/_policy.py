@@ -147,10 +147,12 @@ class Policy:
             # By the TPU compiler's count (benchmarks/tpu_roofline.py): without the barrier
             # the layer loop's slices are read in place; a decode step's tokens travel to the
             # dense weights, and up to 64 sequences' to the experts' weights; a prefill's
-            # sequences split over `expert` too.
+            # sequences split over `expert` too; a device's own assignments run twice their
+            # even share at a time.
             return cls(
                 platform,
                 experts="ragged",
+                expert_buffer=2,
                 barrier_slices=False,
                 stationary_tokens=64,
                 stationary_rows=512,
