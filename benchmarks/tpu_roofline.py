@@ -91,6 +91,7 @@ class Run(typing.NamedTuple):
 
 # The TPU policy's fields as they were before its measured changes (docs/design.md).
 BEFORE = ("barrier_slices=true", "stationary_tokens=0", "stationary_rows=64", "split_chunks=0")
+BEFORE += ("expert_buffer=0",)
 RUNS = {
     "flash-b-64": Run("v4-flash", False, ("prefill", "decode")),
     "flash-b-64-batch-64": Run("v4-flash", False, ("decode",), batch=64, label=", batch 64"),
