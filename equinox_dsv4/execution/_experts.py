@@ -77,8 +77,9 @@ def expert_parallel(
     those do not split into whole blocks, along `d_model`; see `ShardingRules`). With many
     tokens each device gathers its experts' weights over `fsdp`, one layer at a time, and
     computes its own tokens' assignments to them (with `policy.expert_buffer`, in rounds of
-    that many times its even share: `dispatch`'s `at_once`). With few (at most `policy.stationary_rows` assignments in all, a decode
-    step) the weights stay where they are and the tokens travel instead: each device takes its
+    that many times its even share: `dispatch`'s `at_once`). With few (at most
+    `policy.stationary_rows` assignments in all, a decode step) the weights stay where they
+    are and the tokens travel instead: each device takes its
     `fsdp` group's tokens through its slice of the chosen experts' `w1`/`w3` (of every local
     expert, once, where the assignments are at least as many as the local experts; gathering
     the hidden activations, or summing partial products over `fsdp` when `d_model` is what is
