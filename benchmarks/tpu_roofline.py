@@ -166,10 +166,16 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
 _FREE |= {"conditional", "copy-done", "all-gather-done", "after-all", "partition-id"}
 
 
+_ROUND = r"moe/shard_map/while/.*cond"
 # The parts of the model, by the op names JAX gives their operations (a regular expression
 # searched for; the first match wins).
 PARTS = (
     (r"moe/shard_map/all_gather", "routed experts: weights gathered over fsdp"),
+    # A round of a device's own assignments (`Policy.expert_buffer`): a branch in a loop.
+    (_ROUND + r"/.*dot_general", "routed experts: the products"),
+    (_ROUND + r"/.*gather", "routed experts: rows or weights gathered per assignment"),
+    (_ROUND + r"/.*scatter", "routed experts: a round's outputs added to their tokens"),
+    (_ROUND, "routed experts: sorting, masks, the sums over top-k and devices"),
     (r"moe/shard_map/while", "routed experts: the expert loop (products, block writes)"),
     # ragged_dot's grouped products (a prefill's), or a decode step's products.
     (r"moe/shard_map/(vmap\(\.\.\.i,oi|.*dot_general)", "routed experts: the products"),
@@ -209,9 +215,12 @@ def traffic_by_part(text: str) -> collections.Counter:
         for name in computations[computation]:
             instruction = table[name]
             if instruction.opcode in ("while", "call", "conditional"):
-                for c in re.findall(
-                    r"(?:body|calls|branch_computations)=\{?%?([\w.\-]+)", instruction.attributes
-                ):
+                # A loop's body, a call's computation, every branch of a conditional (a
+                # skipped branch moves next to nothing).
+                called = re.findall(r"(?:body|calls)=%?([\w.\-]+)", instruction.attributes)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", instruction.attributes)
+                called += re.findall(r"%?([\w.\-]+)", branches[1]) if branches else []
+                for c in called:
                     if c in computations:
                         walk(c)
                 continue
