@@ -416,13 +416,19 @@ def test_clear_errors(small, tmp_path):
         ed.lora.load(model, tmp_path / "dora")
 
 
+# The TPUs' forms for many assignments: `ragged_dot` in rounds, the tokens travelling to the
+# weights' hidden units (`Policy.experts_stay`).
+STAY = Policy("tpu", experts="ragged", expert_buffer=1, experts_stay=True)
+
+
 @pytest.mark.parametrize(
-    "fmt, d_model, inter, tokens",
-    # Many assignments on dense weights split along d_model (the weights gathered), few on
-    # the release's FP4 experts split along their hidden units (the tokens travel).
-    [(None, 32, 6, 64), (FP4, 128, 128, 4)],
+    "fmt, d_model, inter, tokens, policy",
+    # Many assignments on dense weights split along d_model (the weights gathered), or along
+    # their hidden units in rounds (the tokens travel); few on the release's FP4 experts split
+    # along their hidden units (the tokens travel).
+    [(None, 32, 6, 64, None), (None, 32, 64, 64, STAY), (FP4, 128, 128, 4, None)],
 )
-def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
+def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens, policy):
     weights, x, ids, route = _expert_case(fmt, d=d_model, inter=inter, tokens=tokens)
     experts = eqx.filter_eval_shape(
         ed.nn.Experts,
@@ -430,6 +436,7 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
         key=jax.random.key(0),
     )
     experts = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(weights))
+    experts = ed.execution.with_policy(experts, policy)
 
     @eqx.filter_jit
     def value_and_grad(experts):
@@ -447,6 +454,9 @@ def test_routed_expert_adapters_on_a_mesh(fmt, d_model, inter, tokens):
     assert sharded.w1.a.sharding.spec[0] == "expert"
     with jax.set_mesh(mesh):
         (_, y2), g2 = value_and_grad(sharded)
+        jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded))
+    travels = policy is STAY or fmt is not None
+    assert ("all_to_all" in jaxpr) == travels  # the tokens' way back to their devices
     assert_close(y2, y1)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert_close(b, a)

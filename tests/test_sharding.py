@@ -185,7 +185,8 @@ def test_expert_parallel_equals_one_device(name, tokens):
 
 # (mesh, buffer, routing): each device's own assignments in one buffer for all of its tokens'
 # (0), a round at twice or at once their even share (about one round of two), or every token
-# on the first device's experts (all of its rounds, its neighbours none).
+# on the first device's experts (all of its rounds, its neighbours none). Each with the
+# weights gathered over fsdp, and with rounds also where they lie (`stay`).
 ROUNDS = [
     (dict(fsdp=2, expert=4), 0, "even"),
     (dict(fsdp=2, expert=4), 2, "even"),
@@ -195,22 +196,31 @@ ROUNDS = [
 ]
 
 
-@pytest.mark.parametrize("mesh_shape, buffer, routing", ROUNDS)
-def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape):
+@pytest.mark.parametrize(
+    "mesh_shape, buffer, routing, stay, inter",
+    [(*case, stay, 64) for case in ROUNDS for stay in (False, True) if case[1] or not stay]
+    # Fewer rows in the weights (3 x 2 local experts x 16 hidden units) than would travel
+    # (the fsdp group's 64 tokens and a 64-row round): the weights are gathered after all.
+    + [(dict(fsdp=2, expert=4), 2, "even", True, 16)],
+)
+def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, stay, inter):
     # The TPUs' form under expert parallelism: each device runs its own assignments through
     # `ragged_dot`, all at once or (`Policy.expert_buffer`) a buffer at a time in as many
-    # rounds as they need. Outputs and gradients equal one device's, however the router
-    # chooses: nothing is dropped. (The input's gradient once missed the other devices'
-    # share here: `_alike` in execution/_dispatch.py.)
-    config = tiny_config(hidden_size=32, moe_intermediate_size=16)
+    # rounds as they need, with its experts' weights gathered over fsdp, or where they lie
+    # (`Policy.experts_stay`: the tokens gathered, each round's hidden units too). Outputs
+    # and gradients equal one device's, however the router chooses: nothing is dropped.
+    # (The input's gradient once missed the other devices' share here: `_alike` in
+    # execution/_dispatch.py.)
+    config = tiny_config(hidden_size=32, moe_intermediate_size=inter)
     experts = random_fill(abstract(ed.nn.Experts, config), seed=8)
     tokens, rng = 64, np.random.default_rng(8)
+    stays = stay and inter == 64
     x = jnp.asarray(rng.standard_normal((tokens, 32)), jnp.float32)
     choices = 8 if routing == "even" else 8 // mesh_shape["expert"]  # the first device's
     ids = np.stack([rng.permutation(choices)[:2] for _ in range(tokens)])
     ids = jnp.asarray(ids, jnp.int32)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
-    policy = ed.execution.Policy(experts="ragged", expert_buffer=buffer)
+    policy = ed.execution.Policy(experts="ragged", expert_buffer=buffer, experts_stay=stay)
 
     @eqx.filter_jit
     def value_and_grad(experts, x):
@@ -226,12 +236,14 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape):
     with jax.set_mesh(mesh):
         (_, got), g2 = value_and_grad(sharded, x)
         jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded, x))
-    # Each device: the assignments of its tokens (64 over the batch axes, two each); a round
-    # holds `buffer` times its even share of them.
+    # Each device: the assignments of its tokens (64 over the batch axes, two each; those of
+    # its fsdp group where the weights stay); a round holds `buffer` times its even share.
     rows = 2 * tokens // (mesh_shape["fsdp"] * mesh_shape.get("data", 1))
+    rows *= mesh_shape["fsdp"] if stays else 1
     share = buffer * rows // mesh_shape["expert"]
     assert "ragged_dot" in jaxpr and ("scan" in jaxpr) == bool(buffer)
     assert not buffer or f"length={rows // share}" in jaxpr
+    assert ("all_to_all" in jaxpr) == stays  # the tokens' way back (the weights' gather: not)
     np.testing.assert_allclose(got, want, **COMPONENT)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         # Each gradient sums 128 assignments' terms, in another order on each mesh; an

@@ -86,6 +86,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
             "tpu",
             experts="ragged",
             expert_buffer=2,
+            experts_stay=True,
             barrier_slices=False,
             stationary_tokens=64,
             stationary_rows=512,

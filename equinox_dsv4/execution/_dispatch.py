@@ -88,9 +88,6 @@ def dispatch(
         return jnp.sum(ys.reshape(tokens, top_k, -1), axis=1)
     quantized = isinstance(base_of(w1), QuantizedWeight)
     if policy.experts == "ragged" and not quantized:
-        # Under `shard_map`, every operand is first made to vary over the mesh axes of all of
-        # them (`_alike`), outside the products and the rounds.
-        x, weights, expert, w1, w2, w3 = _alike(x, weights, expert, w1, w2, w3)
         if at_once is not None and at_once < rows:
             return _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, at_once)
         ys = _ragged(x, weights, expert, top_k, w1, w2, w3, act)
@@ -146,6 +143,7 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
     # The assignments sorted by expert (the dropped ones last, outside every group), the three
     # products as ragged dots over the groups, each assignment's output rounded to x.dtype as
     # the loop's are, then back in assignment order: [rows, d_model].
+    x, weights, expert, w1, w2, w3 = _alike(x, weights, expert, w1, w2, w3)
     n_experts = w1.shape[0]
     order = jnp.argsort(expert, stable=True)
     counts = jnp.bincount(expert, length=n_experts).astype(jnp.int32)
@@ -154,13 +152,15 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
     return jnp.where((expert < n_experts)[:, None], ys[position], 0)
 
 
-def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size):
+def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size, hidden=None):
     # The assignments sorted by expert as in `_ragged`, the kept ones first, then run `size`
     # sorted rows at a time: round r takes rows [r * size, (r + 1) * size), each group cut to
     # its part of them, and adds its outputs into their tokens' float32 sums. The rounds are a
     # loop over every round the rows could need (all of them kept), and a round past the
     # kept rows does nothing, so the work and the buffers follow the rows kept, up to `size`
-    # at a time, and no assignment is dropped however the router chooses.
+    # at a time, and no assignment is dropped however the router chooses. `hidden`: see
+    # `_grouped_mlp` (a collective there must be over devices that run the same rounds).
+    x, weights, expert, w1, w2, w3 = _alike(x, weights, expert, w1, w2, w3)
     n_experts = w1.shape[0]
     rows = expert.shape[0]
     rounds = -(-rows // size)
@@ -177,7 +177,7 @@ def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size):
             token = picked // top_k
             # Each group's rows within this round's window.
             sizes = jnp.clip(ends - start, 0, size) - jnp.clip(ends - counts - start, 0, size)
-            ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act)
+            ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act, hidden)
             held = start + jnp.arange(size) < kept
             return y.at[token].add(jnp.where(held[:, None], ys.astype(jnp.float32), 0.0))
 
@@ -189,10 +189,12 @@ def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size):
     return jax.lax.scan(one_round, y, starts)[0]
 
 
-def _grouped_mlp(xs, ws, counts, w1, w2, w3, act):
+def _grouped_mlp(xs, ws, counts, w1, w2, w3, act, hidden=None):
     # Rows sorted by expert (`counts[e]` rows of expert e in order, any rows after them
     # outside every group) through their experts by ragged dots, each row's hidden
     # activation weighted by its routing weight `ws` and its output rounded to xs.dtype.
+    # `hidden` maps the weighted hidden activations to `w2`'s input (where `w1`/`w3` hold a
+    # slice of the hidden units and `w2` all of them: the slices gathered).
     limit, numerics = act
     c = wider_dtype(xs, w1)
     # 16-bit operands' products are exact in the float32 accumulator at any precision; a
@@ -213,7 +215,8 @@ def _grouped_mlp(xs, ws, counts, w1, w2, w3, act):
         )
 
     g, u = product(xs, w1), product(xs, w3)
-    h = act_quant((swiglu(g, u, limit) * ws[:, None]).astype(xs.dtype), numerics)
+    h = (swiglu(g, u, limit) * ws[:, None]).astype(xs.dtype)
+    h = act_quant(h if hidden is None else hidden(h), numerics)
     return product(h, w2).astype(xs.dtype)
 
 

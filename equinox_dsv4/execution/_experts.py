@@ -24,7 +24,7 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import dispatch, of_layer
+from ._dispatch import _ragged_rounds, dispatch, of_layer
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy, resolve
@@ -121,7 +121,8 @@ def expert_parallel(
     reduce = ("expert",) + ((tensor,) if tensor else ())
 
     few = x.shape[0] * indices.shape[1] <= policy.stationary_rows
-    if few and None not in split.values():
+    stay = up and _weights_stay(x, indices, b1, tokens, policy)
+    if (few or stay) and None not in split.values():
         local = functools.partial(
             _stationary,
             act=(limit, numerics),
@@ -129,6 +130,7 @@ def expert_parallel(
             split=not spread,
             reduce=reduce,
             policy=policy,
+            many=not few,
         )
     else:
         local = functools.partial(
@@ -151,6 +153,22 @@ def expert_parallel(
     if layer is not None:
         args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=row)(*args)
+
+
+def _weights_stay(x, indices, w1, tokens, policy: Policy) -> bool:
+    # `policy.experts_stay`, for many assignments in rounds (ragged, dense weights; hidden
+    # units split over fsdp, the caller's `up`): whether fewer `d_model`-wide rows would
+    # travel to the weights (the fsdp group's tokens, gathered, and a round's rows, gathered
+    # from them) than the weights would bring (the local experts' `w1`, `w2`, `w3`).
+    if not (policy.experts_stay and policy.expert_buffer and policy.experts == "ragged"):
+        return False
+    if isinstance(w1, QuantizedWeight):
+        return False
+    devices = math.prod(mesh_axis(a) for a in (tokens or ()))
+    group = x.shape[0] // devices * mesh_axis("fsdp")
+    round_rows = policy.expert_buffer * group * indices.shape[1] // mesh_axis("expert")
+    n_local, inter = w1.shape[-3] // mesh_axis("expert"), w1.shape[-2]
+    return group + round_rows < 3 * n_local * inter
 
 
 def weight_spec(weight: Any, spec: P) -> Any:
@@ -201,11 +219,17 @@ def _gathering(x, indices, weights, w1, w2, w3, layer=None, *, act, axes, spread
     return jax.lax.psum(y, reduce)
 
 
-def _stationary(x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, reduce, policy):
+def _stationary(
+    x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, reduce, policy, many
+):
     # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
     # device's slice of its experts' weights: of `w1`/`w3`'s hidden units (`up`) or of their
     # `d_model`, and of `w2`'s `d_model`; the chosen experts only where the assignments are
-    # fewer than the local experts, else every local expert, once.
+    # fewer than the local experts, else every local expert, once. `many` (a prefill's, with
+    # `up`): the assignments to this device's experts sorted by expert and run by ragged dots
+    # in rounds (`_ragged_rounds`), each round's hidden units gathered over fsdp. Every
+    # device of an fsdp group holds the same tokens and experts, so all of them run the
+    # same rounds and meet in each round's gather.
     if split:
         x, indices, weights = (
             jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
@@ -217,7 +241,18 @@ def _stationary(x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, 
     if not up:
         x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index("fsdp") * width, width, axis=1)
     limit, numerics = act
-    if n_local <= rows:
+    if many:
+        w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
+        at_once = 8 * math.ceil(policy.expert_buffer * rows / mesh_axis("expert") / 8)
+        expert = local_ids.reshape(rows)
+
+        def hidden(h):
+            return jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
+
+        y = _ragged_rounds(
+            x, mine_weights, expert, top_k, w1, w2, w3, act, min(at_once, rows), hidden
+        )
+    elif n_local <= rows:
         # At least as many assignments as local experts: every local expert on every token,
         # weighted by the token's routing weight for it (zero where not chosen), reads each
         # local expert once, where copying each assignment's expert out of the stack would

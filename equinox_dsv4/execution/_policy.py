@@ -68,6 +68,12 @@ class Policy:
       many times that even share at once, in the ragged form, in as many rounds as they
       need: dropless, with buffers that follow its own assignments, not every one of its
       tokens' (0: all of its tokens' assignments in one buffer, its own ones grouped first).
+    - `experts_stay`: under expert parallelism, many assignments (a prefill, a train step)
+      travel to the experts' weights too, as a decode step's do, and run in rounds of each
+      device's own assignments (`expert_buffer`), instead of each device gathering its
+      experts' weights over `fsdp`, where fewer rows would travel that way: the `fsdp`
+      group's tokens and a round's rows against the local experts' weights' (ragged form,
+      dense weights whose hidden units split over `fsdp`).
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
     - `stationary_tokens`: up to this many tokens at a block boundary (batch x chunk: a
@@ -109,6 +115,7 @@ class Policy:
     experts: Literal["loop", "ragged"] = "loop"
     gather_experts: bool = False
     expert_buffer: int = 0
+    experts_stay: bool = False
     few_writes: int = 16
     few_tokens: int = 16
     stationary_rows: int = 64
@@ -153,6 +160,7 @@ class Policy:
                 platform,
                 experts="ragged",
                 expert_buffer=2,
+                experts_stay=True,
                 barrier_slices=False,
                 stationary_tokens=64,
                 stationary_rows=512,
