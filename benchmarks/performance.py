@@ -1146,8 +1146,10 @@ SECTIONS: dict[str, Section] = {
         "TPU routed-experts kernels",
         "tpu_experts.py",
         "V4-Flash's bf16 prefill and decode on v5p:4x4x4 (fsdp 8 x expert 8) with the routed "
-        "experts' loop against `ragged_dot`; XLA's cost analysis counts a loop's body once, so "
-        "only the memory columns compare.",
+        "experts' loop, `ragged_dot` over one buffer for every assignment, in rounds of a "
+        "device's own assignments, and in rounds with the tokens travelling to the weights "
+        "(the TPU policy); XLA's cost analysis counts a loop's body once, so only the memory "
+        "columns compare.",
         _tpu_experts,
         _TPU,
     ),

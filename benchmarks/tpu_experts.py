@@ -1,11 +1,15 @@
-"""The routed experts' two kernels for many assignments on a TPU, side by side: the sorted
-expert loop (`Policy.experts="loop"`, XLA:CPU's form) and `jax.lax.ragged_dot`
-(`"ragged"`, every other platform's default), in V4-Flash's bf16 prefill and decode on
-v5p:4x4x4 (64 chips, fsdp 8 x expert 8, the default rules), compiled here by libtpu's
-compiler without a TPU (`python -m equinox_dsv4.compile --policy experts=...`). Per chip:
-arguments, temporaries, and XLA's cost analysis. The programs are scanned, so XLA counts each
-loop's body once: the loop's expert FLOPs and bytes are one expert's, ragged_dot's are all of
-them; the memory figures compare, the cost figures do not. Estimates from a compiler.
+"""The routed experts' forms for many assignments on a TPU, side by side: the sorted expert
+loop (`Policy.experts="loop"`, XLA:CPU's form), `jax.lax.ragged_dot` over every assignment of
+a device's tokens in one buffer, the same in rounds of twice a device's even share of its own
+assignments (`expert_buffer=2`), and in rounds with the tokens travelling to the experts'
+hidden units (`experts_stay`, where fewer rows move that way: the TPU policy), in V4-Flash's
+bf16 prefill and decode on v5p:4x4x4 (64 chips, fsdp 8 x expert 8, the default rules),
+compiled here by libtpu's compiler without a TPU (`python -m equinox_dsv4.compile --policy
+...`). Per chip: arguments, temporaries, and XLA's cost analysis. The programs are scanned, so
+XLA counts each loop's body once: the loop's expert FLOPs and bytes are one expert's, the
+rounds' one round's, the one buffer's all of them; the memory figures compare, the cost
+figures do not. A decode step's few assignments take the decode forms under every one of
+them. Estimates from a compiler.
 
     python benchmarks/tpu_experts.py [--work /tmp/tpu]
 
@@ -19,7 +23,13 @@ from common import markdown, write
 from tpu_memory import TOPOLOGIES, compile_arguments, compiled
 
 
-KERNELS = ("loop", "ragged")
+# name -> the TPU policy's fields it overrides.
+FORMS = {
+    "loop": ("experts=loop", "expert_buffer=0", "experts_stay=false"),
+    "ragged, one buffer": ("expert_buffer=0", "experts_stay=false"),
+    "ragged, rounds": ("experts_stay=false",),
+    "ragged, rounds, weights stay": (),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     topology, mesh = TOPOLOGIES[64]
     gib = 2**30
     rows, table = [], []
-    for kernel in KERNELS:
-        out = work / f"flash-b-64-experts-{kernel}.json"
+    for kernel, fields in FORMS.items():
+        out = work / f"flash-b-64-experts-{kernel.replace(', ', '-').replace(' ', '-')}.json"
         arguments = compile_arguments("v4-flash", False, topology, mesh, "decode,prefill", out)
-        report = compiled(arguments + ["--policy", f"experts={kernel}"], out)
+        report = compiled(arguments + [a for f in fields for a in ("--policy", f)], out)
         if "error" in report:
             raise SystemExit(f"{kernel}: {report['error']}")
         for phase in ("prefill", "decode"):

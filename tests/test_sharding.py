@@ -183,6 +183,60 @@ def test_expert_parallel_equals_one_device(name, tokens):
         np.testing.assert_allclose(b, a, **COMPONENT)
 
 
+# (name, tokens, routing, rounds): the fsdp group's 4 tokens (8 assignments, 4 a round, the
+# even share) or its 1 token (2 assignments, 1 a round), routed evenly or all to the first
+# device's experts; dense weights split along their hidden units, FP8 along d_model.
+OWN_ROUNDS = [
+    ("dense", 4, "even", 2),
+    ("dense", 4, "one device", 2),
+    ("dense", 1, "one device", 2),
+    ("fp8-d_model", 4, "one device", 2),
+]
+
+
+@pytest.mark.parametrize("name, tokens, routing, rounds", OWN_ROUNDS)
+def test_decode_rounds_of_own_assignments_equal_one_device(name, tokens, routing, rounds):
+    # `Policy.expert_buffer` for few tokens (a decode step): each device runs only its own
+    # experts' assignments, a round of its even share at a time, reading one expert slice
+    # per row of a round instead of every local expert or one per assignment of the group.
+    # Outputs and gradients on fsdp 4 x expert 2 equal one device's, however they route.
+    d_model, inter, fmt, _ = EXPERTS[name]
+    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter, n_routed_experts=16)
+    experts = random_fill(abstract(ed.nn.Experts, config), seed=9)
+    names = ("w1", "w2", "w3")
+    if fmt is not None:
+        quantized = [quantize(getattr(experts, n), fmt) for n in names]
+        experts = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantized))
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)
+    choices = 16 if routing == "even" else 8  # experts 0-7: the first device's
+    ids = jnp.asarray(np.stack([rng.permutation(choices)[:2] for _ in range(tokens)]), jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    policy = ed.execution.Policy(experts="ragged", expert_buffer=1)
+    experts = ed.execution.with_policy(experts, policy)
+
+    @eqx.filter_jit
+    def value_and_grad(experts, x):
+        def loss(diff, frozen):
+            experts, x = diff if frozen is None else (frozen, diff)
+            y = experts(x, ids, w)
+            return jnp.sum(y * jnp.cos(y)), y
+
+        diff, frozen = ((experts, x), None) if fmt is None else (x, experts)
+        return eqx.filter_value_and_grad(loss, has_aux=True)(diff, frozen)
+
+    (_, want), g1 = value_and_grad(experts, x)
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    sharded = ed.execution.with_policy(ed.shard(experts, mesh), policy)
+    with jax.set_mesh(mesh):
+        (_, got), g2 = value_and_grad(sharded, x)
+        jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded, x))
+    assert f"length={rounds}" in jaxpr
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
 # (mesh, buffer, routing): each device's own assignments in one buffer for all of its tokens'
 # (0), a round at twice or at once their even share (about one round of two), or every token
 # on the first device's experts (all of its rounds, its neighbours none). Each with the

@@ -24,7 +24,7 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import _ragged_rounds, dispatch, of_layer
+from ._dispatch import _alike, _ragged_rounds, dispatch, of_layer
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy, resolve
@@ -252,6 +252,10 @@ def _stationary(
         y = _ragged_rounds(
             x, mine_weights, expert, top_k, w1, w2, w3, act, min(at_once, rows), hidden
         )
+    elif 0 < (own := _own_round_rows(rows, policy)) < min(n_local, rows):
+        # A round of this device's own assignments reads fewer expert slices than either
+        # form below: every local expert, or one expert per assignment of the group.
+        y = _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, own)
     elif n_local <= rows:
         # At least as many assignments as local experts: every local expert on every token,
         # weighted by the token's routing weight for it (zero where not chosen), reads each
@@ -287,17 +291,79 @@ def _stationary(
     return jax.lax.psum(whole, reduce + ("fsdp",))
 
 
+def _own_round_rows(rows: int, policy: Policy) -> int:
+    # A decode round's rows under `policy.expert_buffer` (0: none): that many times a
+    # device's even share of the fsdp group's `rows` assignments.
+    return math.ceil(policy.expert_buffer * rows / mesh_axis("expert"))
+
+
 def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy):
     # Fewer assignments than local experts: each assignment through its expert's weights,
-    # others' assignments zeroed. Each product reads its expert's weights where they lie in
-    # the stack (a layer stack's, with `layer`): a dynamic slice that XLA fuses into the
-    # product. Gathered into one array for batched products, the chosen experts' weights
-    # were written, copied and read again (the TPU compiler's count, one sequence decoding).
+    # others' assignments zeroed (`_assignment_rows`), summed over each token's top-k.
+    tokens, top_k = local_ids.shape
+    rows = tokens * top_k
+    x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
+    y = _assignment_rows(
+        x_rows,
+        local_ids.reshape(rows),
+        mine_weights.reshape(rows),
+        w1,
+        w2,
+        w3,
+        layer,
+        up,
+        act,
+        policy,
+    )
+    return jnp.sum(y.reshape(tokens, top_k, -1), axis=1)
+
+
+def _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, size):
+    # This device's own assignments only, `size` at a time: sorted by local expert (the
+    # others' last), each round takes the next `size` of them through `_assignment_rows` and
+    # adds their outputs into their tokens' float32 rows, in as many rounds as they need (a
+    # loop over every round they could need, a round past them skipped). Each round reads
+    # `size` experts' slices, not one per assignment of the fsdp group's tokens. Every device
+    # of an fsdp group holds the same tokens and experts and runs the same rounds, which
+    # meet in their fsdp collectives; every operand varies over the same mesh axes first
+    # (`_alike`), so no other collective lands in a round.
     n_local, width = w2.shape[-3], w2.shape[-2]
     tokens, top_k = local_ids.shape
     rows = tokens * top_k
-    chosen = jnp.minimum(local_ids.reshape(rows), n_local - 1)
-    x_rows = jnp.broadcast_to(x[:, None], (tokens, top_k, x.shape[1])).reshape(rows, -1)
+    ids = local_ids.reshape(rows)
+    x, ids, mine_weights, w1, w2, w3 = _alike(x, ids, mine_weights, w1, w2, w3)
+    rounds = -(-rows // size)
+    order = jnp.pad(jnp.argsort(ids, stable=True), (0, rounds * size - rows))
+    kept = jnp.sum(ids < n_local)
+    flat_weights = mine_weights.reshape(rows)
+
+    def one_round(y, start):
+        def run(y):
+            picked = jax.lax.dynamic_slice_in_dim(order, start, size)
+            held = start + jnp.arange(size) < kept
+            token = picked // top_k
+            chosen = jnp.where(held, ids[picked], n_local)
+            out = _assignment_rows(
+                x[token], chosen, flat_weights[picked], w1, w2, w3, layer, up, act, policy
+            )
+            return y.at[token].add(out)
+
+        return jax.lax.cond(start < kept, run, lambda y: y, y), None
+
+    y = varying_like(jnp.zeros((tokens, width), jnp.float32), x)
+    starts = jnp.arange(rounds, dtype=jnp.int32) * size
+    return jax.lax.scan(one_round, y, starts)[0]
+
+
+def _assignment_rows(x_rows, ids, row_weights, w1, w2, w3, layer, up, act, policy):
+    # Each row through its expert's weights (`ids`: local experts; `n_local`, another
+    # device's: zeroed). Each product reads its expert's weights where they lie in the stack
+    # (a layer stack's, with `layer`): a dynamic slice that XLA fuses into the product.
+    # Gathered into one array for batched products, the chosen experts' weights were
+    # written, copied and read again (the TPU compiler's count, one sequence decoding).
+    n_local = w2.shape[-3]
+    rows = ids.shape[0]
+    chosen = jnp.minimum(ids, n_local - 1)
 
     def products(a, w):  # row r of a [rows, in] by its expert's w -> [rows, out]
         def one(r):
@@ -309,10 +375,9 @@ def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
     g, u = products(x_rows, w1), products(x_rows, w3)
     if not up:
         g, u = jax.lax.psum((g, u), "fsdp")
-    h = swiglu(g, u, act[0]) * mine_weights.reshape(rows)[:, None]
-    h = h.astype(x.dtype)
+    h = swiglu(g, u, act[0]) * row_weights[:, None]
+    h = h.astype(x_rows.dtype)
     if up:  # this device's hidden units, then all of its tensor slice's
         h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
     y = products(act_quant(h, act[1]), w2)
-    y = jnp.where((local_ids.reshape(rows) < n_local)[:, None], y, 0.0)
-    return jnp.sum(y.reshape(tokens, top_k, width), axis=1)
+    return jnp.where((ids < n_local)[:, None], y, 0.0)
