@@ -159,24 +159,13 @@ def test_expert_parallel_equals_one_device(name, tokens):
     ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(tokens)]), jnp.int32)
     w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
 
-    @eqx.filter_jit
-    def value_and_grad(experts, x):
-        def loss(diff, frozen):
-            experts, x = diff if frozen is None else (frozen, diff)
-            y = experts(x, ids, w)
-            return jnp.sum(y * jnp.cos(y)), y
-
-        # A quantised weight is frozen (its storage has no gradient): the input's only.
-        diff, frozen = ((experts, x), None) if fmt is None else (x, experts)
-        return eqx.filter_value_and_grad(loss, has_aux=True)(diff, frozen)
-
-    (_, y1), g1 = value_and_grad(experts, x)
+    (_, y1), g1 = _value_and_grad(experts, x, ids, w)
     mesh = ed.make_mesh(fsdp=4, expert=2)
     sharded = ed.shard(experts, mesh)  # quantised: values and scales alike, whole blocks
     w1 = sharded.w1 if fmt is None else sharded.w1.values
     assert w1.sharding.spec == w1_spec
     with jax.set_mesh(mesh):
-        (_, y2), g2 = value_and_grad(sharded, x)
+        (_, y2), g2 = _value_and_grad(sharded, x, ids, w)
     np.testing.assert_allclose(y2, y1, **COMPONENT)
     assert len(jax.tree.leaves(g1)) == (4 if fmt is None else 1)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
@@ -215,22 +204,12 @@ def test_decode_rounds_of_own_assignments_equal_one_device(name, tokens, routing
     policy = ed.execution.Policy(experts="ragged", expert_buffer=1)
     experts = ed.execution.with_policy(experts, policy)
 
-    @eqx.filter_jit
-    def value_and_grad(experts, x):
-        def loss(diff, frozen):
-            experts, x = diff if frozen is None else (frozen, diff)
-            y = experts(x, ids, w)
-            return jnp.sum(y * jnp.cos(y)), y
-
-        diff, frozen = ((experts, x), None) if fmt is None else (x, experts)
-        return eqx.filter_value_and_grad(loss, has_aux=True)(diff, frozen)
-
-    (_, want), g1 = value_and_grad(experts, x)
+    (_, want), g1 = _value_and_grad(experts, x, ids, w)
     mesh = ed.make_mesh(fsdp=4, expert=2)
     sharded = ed.execution.with_policy(ed.shard(experts, mesh), policy)
     with jax.set_mesh(mesh):
-        (_, got), g2 = value_and_grad(sharded, x)
-        jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded, x))
+        (_, got), g2 = _value_and_grad(sharded, x, ids, w)
+        jaxpr = str(jax.make_jaxpr(_value_and_grad)(sharded, x, ids, w))
     assert f"length={rounds}" in jaxpr
     np.testing.assert_allclose(got, want, **COMPONENT)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
@@ -276,20 +255,12 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, s
     w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
     policy = ed.execution.Policy(experts="ragged", expert_buffer=buffer, experts_stay=stay)
 
-    @eqx.filter_jit
-    def value_and_grad(experts, x):
-        def loss(diff):
-            y = diff[0](diff[1], ids, w)
-            return jnp.sum(y * jnp.cos(y)), y
-
-        return eqx.filter_value_and_grad(loss, has_aux=True)((experts, x))
-
-    (_, want), g1 = value_and_grad(ed.execution.with_policy(experts, policy), x)
+    (_, want), g1 = _value_and_grad(ed.execution.with_policy(experts, policy), x, ids, w)
     mesh = ed.make_mesh(**mesh_shape)
     sharded = ed.execution.with_policy(ed.shard(experts, mesh), policy)
     with jax.set_mesh(mesh):
-        (_, got), g2 = value_and_grad(sharded, x)
-        jaxpr = str(jax.make_jaxpr(value_and_grad)(sharded, x))
+        (_, got), g2 = _value_and_grad(sharded, x, ids, w)
+        jaxpr = str(jax.make_jaxpr(_value_and_grad)(sharded, x, ids, w))
     # Each device: the assignments of its tokens (64 over the batch axes, two each; those of
     # its fsdp group where the weights stay); a round holds `buffer` times its even share.
     rows = 2 * tokens // (mesh_shape["fsdp"] * mesh_shape.get("data", 1))
@@ -303,6 +274,21 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, s
         # Each gradient sums 128 assignments' terms, in another order on each mesh; an
         # element where they cancel keeps the absolute error of the largest (1e-5 of them).
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+@eqx.filter_jit
+def _value_and_grad(experts, x, ids, w):
+    # The routed experts' outputs and the gradients of a loss of them: of the weights and the
+    # input, or of the input only where the weights are quantised (frozen: their storage has
+    # no gradient).
+    def loss(diff, frozen):
+        experts, x = diff if frozen is None else (frozen, diff)
+        y = experts(x, ids, w)
+        return jnp.sum(y * jnp.cos(y)), y
+
+    quantized = isinstance(experts.w1, ed.quant.QuantizedWeight)
+    diff, frozen = (x, experts) if quantized else ((experts, x), None)
+    return eqx.filter_value_and_grad(loss, has_aux=True)(diff, frozen)
 
 
 # One row: the chosen experts read from the stack in place (a quantised stack's too); 4 rows

@@ -153,40 +153,46 @@ def _ragged(x, weights, expert, top_k, w1, w2, w3, act):
 
 
 def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size, hidden=None):
-    # The assignments sorted by expert as in `_ragged`, the kept ones first, then run `size`
-    # sorted rows at a time: round r takes rows [r * size, (r + 1) * size), each group cut to
-    # its part of them, and adds its outputs into their tokens' float32 sums. The rounds are a
-    # loop over every round the rows could need (all of them kept), and a round past the
-    # kept rows does nothing, so the work and the buffers follow the rows kept, up to `size`
-    # at a time, and no assignment is dropped however the router chooses. `hidden`: see
-    # `_grouped_mlp` (a collective there must be over devices that run the same rounds).
+    # The assignments to kept experts (`expert` below `n_experts`) by ragged dots, `size` of
+    # them at a time (`in_rounds`), each round's groups cut to their part of its window,
+    # outputs added into their tokens' float32 sums. `hidden`: see `_grouped_mlp` (a
+    # collective there must be over devices that run the same rounds).
     x, weights, expert, w1, w2, w3 = _alike(x, weights, expert, w1, w2, w3)
-    n_experts = w1.shape[0]
-    rows = expert.shape[0]
-    rounds = -(-rows // size)
-    order = jnp.argsort(expert, stable=True)
-    order = jnp.pad(order, (0, rounds * size - rows))  # past every group: never held
-    counts = jnp.bincount(expert, length=n_experts).astype(jnp.int32)
+    counts = jnp.bincount(expert, length=w1.shape[0]).astype(jnp.int32)
     ends = jnp.cumsum(counts)
-    kept = ends[-1]
     flat_weights = weights.reshape(-1)
 
+    def run(y, start, picked, held):
+        token = picked // top_k
+        sizes = jnp.clip(ends - start, 0, size) - jnp.clip(ends - counts - start, 0, size)
+        ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act, hidden)
+        return y.at[token].add(jnp.where(held[:, None], ys.astype(jnp.float32), 0.0))
+
+    y = varying_like(jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32), x)
+    return in_rounds(y, expert, w1.shape[0], size, run)
+
+
+def in_rounds(y: Any, keys: Array, n: int, size: int, run: Any) -> Any:
+    """Rows whose `keys` are below `n` (the kept ones), sorted by key, `size` at a time: round
+    `r` calls `run(y, start, picked, held)` with `start = r * size`, the `size` row indices
+    from `start` in that order (`picked`) and which of them are kept (`held`), and returns the
+    new `y`. A loop over every round the rows could need (all of them kept) in which a round
+    past the kept rows does nothing: the work follows the kept rows, `size` at a time, and
+    none is dropped however many there are. Collectives inside `run` must be over devices
+    that hold the same kept rows (the same rounds run)."""
+    rows = keys.shape[0]
+    rounds = -(-rows // size)
+    order = jnp.pad(jnp.argsort(keys, stable=True), (0, rounds * size - rows))
+    kept = jnp.sum(keys < n)
+
     def one_round(y, start):
-        def run(y):
+        def go(y):
             picked = jax.lax.dynamic_slice_in_dim(order, start, size)
-            token = picked // top_k
-            # Each group's rows within this round's window.
-            sizes = jnp.clip(ends - start, 0, size) - jnp.clip(ends - counts - start, 0, size)
-            ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act, hidden)
-            held = start + jnp.arange(size) < kept
-            return y.at[token].add(jnp.where(held[:, None], ys.astype(jnp.float32), 0.0))
+            return run(y, start, picked, start + jnp.arange(size) < kept)
 
-        return jax.lax.cond(start < kept, run, lambda y: y, y), None
+        return jax.lax.cond(start < kept, go, lambda y: y, y), None
 
-    y = jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32)
-    y = varying_like(y, x)
-    starts = jnp.arange(rounds, dtype=jnp.int32) * size
-    return jax.lax.scan(one_round, y, starts)[0]
+    return jax.lax.scan(one_round, y, jnp.arange(rounds, dtype=jnp.int32) * size)[0]
 
 
 def _grouped_mlp(xs, ws, counts, w1, w2, w3, act, hidden=None):

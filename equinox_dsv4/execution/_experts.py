@@ -24,7 +24,7 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import _alike, _ragged_rounds, dispatch, of_layer
+from ._dispatch import _alike, _ragged_rounds, dispatch, in_rounds, of_layer
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy, resolve
@@ -319,40 +319,25 @@ def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
 
 
 def _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, size):
-    # This device's own assignments only, `size` at a time: sorted by local expert (the
-    # others' last), each round takes the next `size` of them through `_assignment_rows` and
-    # adds their outputs into their tokens' float32 rows, in as many rounds as they need (a
-    # loop over every round they could need, a round past them skipped). Each round reads
-    # `size` experts' slices, not one per assignment of the fsdp group's tokens. Every device
-    # of an fsdp group holds the same tokens and experts and runs the same rounds, which
-    # meet in their fsdp collectives; every operand varies over the same mesh axes first
-    # (`_alike`), so no other collective lands in a round.
+    # This device's own assignments only, `size` at a time (`in_rounds`), through
+    # `_assignment_rows`, their outputs added into their tokens' float32 rows: each round
+    # reads `size` experts' slices, not one per assignment of the fsdp group's tokens. Every
+    # device of an fsdp group holds the same tokens and experts and runs the same rounds,
+    # which meet in their fsdp collectives; every operand varies over the same mesh axes
+    # first (`_alike`), so no other collective lands in a round.
     n_local, width = w2.shape[-3], w2.shape[-2]
     tokens, top_k = local_ids.shape
-    rows = tokens * top_k
-    ids = local_ids.reshape(rows)
+    ids = local_ids.reshape(-1)
     x, ids, mine_weights, w1, w2, w3 = _alike(x, ids, mine_weights, w1, w2, w3)
-    rounds = -(-rows // size)
-    order = jnp.pad(jnp.argsort(ids, stable=True), (0, rounds * size - rows))
-    kept = jnp.sum(ids < n_local)
-    flat_weights = mine_weights.reshape(rows)
+    flat_weights = mine_weights.reshape(-1)
 
-    def one_round(y, start):
-        def run(y):
-            picked = jax.lax.dynamic_slice_in_dim(order, start, size)
-            held = start + jnp.arange(size) < kept
-            token = picked // top_k
-            chosen = jnp.where(held, ids[picked], n_local)
-            out = _assignment_rows(
-                x[token], chosen, flat_weights[picked], w1, w2, w3, layer, up, act, policy
-            )
-            return y.at[token].add(out)
-
-        return jax.lax.cond(start < kept, run, lambda y: y, y), None
+    def run(y, start, picked, held):
+        token, chosen = picked // top_k, jnp.where(held, ids[picked], n_local)
+        rows = (x[token], chosen, flat_weights[picked])
+        return y.at[token].add(_assignment_rows(*rows, w1, w2, w3, layer, up, act, policy))
 
     y = varying_like(jnp.zeros((tokens, width), jnp.float32), x)
-    starts = jnp.arange(rounds, dtype=jnp.int32) * size
-    return jax.lax.scan(one_round, y, starts)[0]
+    return in_rounds(y, ids, n_local, size, run)
 
 
 def _assignment_rows(x_rows, ids, row_weights, w1, w2, w3, layer, up, act, policy):
