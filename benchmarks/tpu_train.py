@@ -22,10 +22,12 @@ names its `policy` since the TPU policy took `ragged_dot`; the older rows have n
 - `ragged_dot` (the TPU policy's) is counted over every row of a device's assignment buffer.
   Under expert parallelism, about 1 / `expert` of a device's tokens' assignments are its own
   experts'. Without `expert_buffer` (the rows before it; their policy names none) the buffer
-  holds them all, so the routed experts' FLOPs count about `expert` times over. With it, a
-  round's buffer holds `expert_buffer` times the device's even share, and the rounds' loop
-  counts once: about `expert_buffer` times over, for routing in which every device's own
-  assignments fit one round. Either way the time is an upper bound and the MFU a lower bound.
+  holds them all, so the routed experts' FLOPs count about `expert` times over. With it, the
+  forward's round holds `expert_buffer` times the device's even share and the rounds' loop
+  counts once (about `expert_buffer` times over, for routing in which every device's own
+  assignments fit one round); where the weights are gathered, the backward is one round of
+  every row (`expert` times over again). Either way the time is an upper bound and the MFU a
+  lower bound.
 Estimates from the compiler on a CPU host; no TPU ran them.
 
     python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]
