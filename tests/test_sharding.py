@@ -140,6 +140,19 @@ EXPERTS = {
 }
 
 
+def _random_experts(name: str, seed: int, **config) -> ed.nn.Experts:
+    # Routed experts of `EXPERTS[name]`'s widths, every weight random, in its storage.
+    d_model, inter, fmt, _ = EXPERTS[name]
+    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter, **config)
+    experts = random_fill(abstract(ed.nn.Experts, config), seed=seed)
+    if fmt is None:
+        return experts
+    weights = (experts.w1, experts.w2, experts.w3)
+    return eqx.tree_at(
+        lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantize(w, fmt) for w in weights)
+    )
+
+
 @pytest.mark.parametrize("name", sorted(EXPERTS))
 # Decode: one row (2 assignments, fewer than the 4 local experts: each through its expert's
 # copy), 4 rows split over fsdp (8 assignments: every local expert on every row); prefill.
@@ -147,13 +160,8 @@ EXPERTS = {
 def test_expert_parallel_equals_one_device(name, tokens):
     # Outputs and gradients of the routed experts on fsdp 4 x expert 2 equal one device's:
     # few assignments move the tokens to the weights (`_stationary`), many gather the weights.
-    d_model, inter, fmt, w1_spec = EXPERTS[name]
-    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter)
-    experts = random_fill(abstract(ed.nn.Experts, config), seed=4)
-    names = ("w1", "w2", "w3")
-    if fmt is not None:
-        quantized = [quantize(getattr(experts, n), fmt) for n in names]
-        experts = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantized))
+    d_model, _, fmt, w1_spec = EXPERTS[name]
+    experts = _random_experts(name, seed=4)
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(tokens)]), jnp.int32)
@@ -189,13 +197,8 @@ def test_decode_rounds_of_own_assignments_equal_one_device(name, tokens, routing
     # experts' assignments, a round of its even share at a time, reading one expert slice
     # per row of a round instead of every local expert or one per assignment of the group.
     # Outputs and gradients on fsdp 4 x expert 2 equal one device's, however they route.
-    d_model, inter, fmt, _ = EXPERTS[name]
-    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter, n_routed_experts=16)
-    experts = random_fill(abstract(ed.nn.Experts, config), seed=9)
-    names = ("w1", "w2", "w3")
-    if fmt is not None:
-        quantized = [quantize(getattr(experts, n), fmt) for n in names]
-        experts = eqx.tree_at(lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantized))
+    d_model = EXPERTS[name][0]
+    experts = _random_experts(name, seed=9, n_routed_experts=16)
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)
     choices = 16 if routing == "even" else 8  # experts 0-7: the first device's
@@ -301,12 +304,8 @@ def test_a_view_of_a_layer_stack_equals_the_layer(name, tokens):
     # decode step's, `Policy.experts_in_place`), by a traced or a static index, equal the
     # layer's own experts: on one device gathered or in a loop over assignments, and on
     # fsdp 4 x expert 2.
-    d_model, inter, fmt, _ = EXPERTS[name]
-    config = tiny_config(hidden_size=d_model, moe_intermediate_size=inter)
-    layers = [random_fill(abstract(ed.nn.Experts, config), seed=s) for s in (5, 6, 7)]
-    if fmt is not None:
-        weights = lambda e: (e.w1, e.w2, e.w3)  # noqa: E731
-        layers = [eqx.tree_at(weights, e, [quantize(w, fmt) for w in weights(e)]) for e in layers]
+    d_model = EXPERTS[name][0]
+    layers = [_random_experts(name, seed=s) for s in (5, 6, 7)]
     stack = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((tokens, d_model)), jnp.float32)

@@ -159,8 +159,8 @@ def _ragged_rounds(x, weights, expert, top_k, w1, w2, w3, act, size, hidden=None
     # collective there must be over devices that run the same rounds; the caller is
     # `_stationary`, whose rows are its fsdp group's). The gradient is that of one round of
     # every row (`_rounds_one_back`), except with `hidden`: every row of the group is fsdp
-    # times a device's own tokens' (by libtpu's count, a 3-layer V4-Flash train step on
-    # fsdp 8 x expert 8 read 234.63 GiB per chip that way against the loop's 159.35).
+    # times a device's own tokens', and one round of them all read more than the loop's
+    # transpose by libtpu's count (docs/design.md).
     operands = _alike(x, weights, expert, w1, w2, w3)
     rows = functools.partial(_ragged_rows, top_k=top_k, act=act, hidden=hidden)
     if hidden is not None:

@@ -206,10 +206,7 @@ def _gathering(x, indices, weights, w1, w2, w3, layer=None, *, act, axes, spread
     w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
     w1, w2, w3 = gather(w1, axes["w1"]), gather(w2, axes["w2"]), gather(w3, axes["w1"])
     local_ids, mine_weights = _mine(indices, weights, w1.shape[0])
-    at_once = None
-    if policy.expert_buffer:  # `expert_buffer` times this device's even share, in 8s
-        share = policy.expert_buffer * indices.size / mesh_axis("expert")
-        at_once = 8 * math.ceil(share / 8)
+    at_once = _round_rows(indices.size, policy, multiple=8) or None
     # The gathered weights are a value, not a parameter (see `dispatch`).
     policy = replace(policy, gather_experts=True)
     y = dispatch(x, local_ids, mine_weights, w1, w2, w3, *act, policy, at_once=at_once)
@@ -243,7 +240,7 @@ def _stationary(
     limit, numerics = act
     if many:
         w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
-        at_once = 8 * math.ceil(policy.expert_buffer * rows / mesh_axis("expert") / 8)
+        at_once = _round_rows(rows, policy, multiple=8)
         expert = local_ids.reshape(rows)
 
         def hidden(h):
@@ -252,7 +249,7 @@ def _stationary(
         y = _ragged_rounds(
             x, mine_weights, expert, top_k, w1, w2, w3, act, min(at_once, rows), hidden
         )
-    elif 0 < (own := _own_round_rows(rows, policy)) < min(n_local, rows):
+    elif 0 < (own := _round_rows(rows, policy)) < min(n_local, rows):
         # A round of this device's own assignments reads fewer expert slices than either
         # form below: every local expert, or one expert per assignment of the group.
         y = _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, own)
@@ -291,10 +288,11 @@ def _stationary(
     return jax.lax.psum(whole, reduce + ("fsdp",))
 
 
-def _own_round_rows(rows: int, policy: Policy) -> int:
-    # A decode round's rows under `policy.expert_buffer` (0: none): that many times a
-    # device's even share of the fsdp group's `rows` assignments.
-    return math.ceil(policy.expert_buffer * rows / mesh_axis("expert"))
+def _round_rows(rows: int, policy: Policy, multiple: int = 1) -> int:
+    # A round's rows under `policy.expert_buffer` (0: no rounds): that many times a device's
+    # even share of `rows` assignments (its tokens', or its fsdp group's), rounded up to a
+    # `multiple`.
+    return multiple * math.ceil(policy.expert_buffer * rows / mesh_axis("expert") / multiple)
 
 
 def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy):
