@@ -53,10 +53,44 @@ def parse(hlo: str) -> tuple[dict[str, Instruction], dict[str, list[str]]]:
             continue
         m = _INSTRUCTION.match(line)
         if m:
-            operands = [o.strip().lstrip("%") for o in m[4].split(",") if o.strip()]
+            # Long operand lists carry `/*index=N*/` comments before every fifth operand.
+            listed = re.sub(r"/\*index=\d+\*/", "", m[4])
+            operands = [o.strip().lstrip("%") for o in listed.split(",") if o.strip()]
             table[m[1]] = Instruction(m[2], m[3], operands, m[5], current)
             computations.setdefault(current, []).append(m[1])
     return table, computations
+
+
+def pallas_kernels(text: str) -> list[dict]:
+    """The Pallas (Mosaic TPU) kernels of a compiled module's text: for each, the bytes its own
+    cost estimate gives (what XLA's cost analysis charges it; `None` where it gave none) and
+    its operands and result (`kernel_bytes`). A kernel in a loop's body is listed once, as
+    XLA's cost analysis counts it."""
+    table, computations = parse(text)
+    kernels = []
+    for name, instruction in table.items():
+        if instruction.opcode != "custom-call" or "tpu_custom_call" not in instruction.attributes:
+            continue
+        # The estimate is in the kernel's backend config, a JSON string inside the text.
+        estimate = re.search(r'bytes_accessed\\?"\s*:\s*\\?"?(\d+)', instruction.attributes)
+        kernels.append(
+            {
+                "name": name,
+                "estimate_bytes": int(estimate[1]) if estimate else None,
+                "operand_and_result_bytes": kernel_bytes(name, table, computations),
+            }
+        )
+    return kernels
+
+
+def pallas_shortfall(text: str) -> tuple[int, int]:
+    """How many Pallas kernels a compiled module holds, and the bytes by which their cost
+    estimates fall short of their operands and results, summed (`pallas_kernels`): what an
+    honest count adds to XLA's bytes accessed, so that each kernel is charged at least what
+    it must read and write."""
+    kernels = pallas_kernels(text)
+    short = sum(max(0, k["operand_and_result_bytes"] - (k["estimate_bytes"] or 0)) for k in kernels)
+    return len(kernels), short
 
 
 def fused_computations(table: dict[str, Instruction]) -> set[str]:

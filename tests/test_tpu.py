@@ -282,16 +282,54 @@ ENTRY %main (stack: bf16[8,4,1024,64], index: s32[4,3], rows: f32[4,64]) -> bf16
 )
 
 
+def _hlo_module():
+    spec = importlib.util.spec_from_file_location("hlo", ROOT / "benchmarks" / "hlo.py")
+    hlo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hlo)
+    return hlo
+
+
 def test_roofline_charges_a_scatter_its_updates():
     # benchmarks/tpu_roofline.py's traffic by part charges a buffer updated in place its
     # updates, as XLA's cost analysis counts it; charged the whole stack (read and written),
     # the compressors' entry writes were 207 GiB per chip of a decode step XLA counts at
     # 27.5 GiB in all (V4-Flash, 1M-token cache).
-    spec = importlib.util.spec_from_file_location("hlo", ROOT / "benchmarks" / "hlo.py")
-    hlo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hlo)
+    hlo = _hlo_module()
     table, computations = hlo.parse(_SCATTER_HLO)
     index, rows = 4 * 3 * 4, 4 * 64 * 2
     assert hlo.kernel_bytes("scatter.2", table, computations) == index + 2 * rows
     # The fusion reads the index and the float32 rows, and writes the bf16 rows.
     assert hlo.kernel_bytes("fusion", table, computations) == index + 2 * rows + rows
+
+
+# A Pallas kernel as XLA's TPU dump prints it: seven operands (the sixth and seventh after an
+# `/*index=5*/` comment) and its own cost estimate in its backend config.
+_SIZES = (("b", 9), ("c", 15), ("d", 15), ("e", 1))
+_KERNEL_HLO = "\n".join(
+    [
+        "ENTRY %main () -> bf16[1024,256] {",
+        "  %a = s32[]{:T(128)} parameter(0)",
+        *(f"  %{n} = s32[{d}]{{0}} parameter({i + 1})" for i, (n, d) in enumerate(_SIZES)),
+        "  %lhs = bf16[1024,512]{1,0} parameter(5)",
+        "  %rhs = bf16[8,512,256]{2,1,0} parameter(6)",
+        "  ROOT %gmm.1 = bf16[1024,256]{1,0} custom-call(%a, %b, %c, %d, %e, /*index=5*/%lhs, "
+        '%rhs), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+        '{"cost_estimate":{"bytes_accessed":"ESTIMATE","flops":"268435456"}}}',
+        "}",
+    ]
+)
+
+
+@pytest.mark.parametrize("estimate", [6553600, 1000000])
+def test_pallas_kernels_are_charged_at_least_their_operands(estimate):
+    # tpu_maxtext.py adds to XLA's bytes what a Pallas kernel's own estimate leaves out of its
+    # operands and result; operands past the fifth follow an `/*index=5*/` comment, which the
+    # parser once took into their names, charging them nothing.
+    hlo = _hlo_module()
+    kernels = hlo.pallas_kernels(_KERNEL_HLO.replace("ESTIMATE", str(estimate)))
+    needed = 4 * (1 + 9 + 15 + 15 + 1) + (1024 * 512 + 8 * 512 * 256 + 1024 * 256) * 2
+    assert kernels == [
+        {"name": "gmm.1", "estimate_bytes": estimate, "operand_and_result_bytes": needed}
+    ]
+    count, short = hlo.pallas_shortfall(_KERNEL_HLO.replace("ESTIMATE", str(estimate)))
+    assert (count, short) == (1, max(0, needed - estimate))
