@@ -44,15 +44,23 @@ def dims(shape: str) -> list[int]:
 def parse(hlo: str) -> tuple[dict[str, Instruction], dict[str, list[str]]]:
     """Every instruction of a compiled module's text by name, and each computation's
     instruction names."""
-    table, computations, current = {}, {}, ""
+    table, computations, current, last = {}, {}, "", None
     for line in hlo.splitlines():
         head = _COMPUTATION.match(line)
         if head:
-            current = head[1]
+            current, last = head[1], None
             computations[current] = []
             continue
         m = _INSTRUCTION.match(line)
+        if line.strip() == "}":  # a computation's end
+            last = None
+        elif not m and last is not None:
+            # An instruction over several lines (a Pallas kernel's metadata holds newlines):
+            # the rest of its attributes, its op name and backend config among them.
+            table[last] = table[last]._replace(attributes=table[last].attributes + line)
+            continue
         if m:
+            last = m[1]
             # Long operand lists carry `/*index=N*/` comments before every fifth operand.
             listed = re.sub(r"/\*index=\d+\*/", "", m[4])
             operands = [o.strip().lstrip("%") for o in listed.split(",") if o.strip()]

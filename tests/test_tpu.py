@@ -303,7 +303,8 @@ def test_roofline_charges_a_scatter_its_updates():
 
 
 # A Pallas kernel as XLA's TPU dump prints it: seven operands (the sixth and seventh after an
-# `/*index=5*/` comment) and its own cost estimate in its backend config.
+# `/*index=5*/` comment), metadata over three lines, its own cost estimate in its backend
+# config on the last.
 _SIZES = (("b", 9), ("c", 15), ("d", 15), ("e", 1))
 _KERNEL_HLO = "\n".join(
     [
@@ -313,7 +314,9 @@ _KERNEL_HLO = "\n".join(
         "  %lhs = bf16[1024,512]{1,0} parameter(5)",
         "  %rhs = bf16[8,512,256]{2,1,0} parameter(6)",
         "  ROOT %gmm.1 = bf16[1024,256]{1,0} custom-call(%a, %b, %c, %d, %e, /*index=5*/%lhs, "
-        '%rhs), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+        '%rhs), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={',
+        '"xprof_metadata":"{\\"tile_m\\": 512}"',
+        '}}, metadata={op_name="jit(step)/gmm/pallas_call"}, backend_config={"custom_call_config":'
         '{"cost_estimate":{"bytes_accessed":"ESTIMATE","flops":"268435456"}}}',
         "}",
     ]
@@ -323,8 +326,9 @@ _KERNEL_HLO = "\n".join(
 @pytest.mark.parametrize("estimate", [6553600, 1000000])
 def test_pallas_kernels_are_charged_at_least_their_operands(estimate):
     # tpu_maxtext.py adds to XLA's bytes what a Pallas kernel's own estimate leaves out of its
-    # operands and result; operands past the fifth follow an `/*index=5*/` comment, which the
-    # parser once took into their names, charging them nothing.
+    # operands and result. Operands past the fifth follow an `/*index=5*/` comment, which the
+    # parser once took into their names, charging them nothing; an instruction's lines after
+    # its first it once dropped (MaxText's kernels' estimates: none read, all charged again).
     hlo = _hlo_module()
     kernels = hlo.pallas_kernels(_KERNEL_HLO.replace("ESTIMATE", str(estimate)))
     needed = 4 * (1 + 9 + 15 + 15 + 1) + (1024 * 512 + 8 * 512 * 256 + 1024 * 256) * 2
