@@ -216,6 +216,11 @@ def in_rounds(y: Any, keys: Array, n: int, size: int, run: Any) -> Any:
     rounds = -(-rows // size)
     order = jnp.pad(jnp.argsort(keys, stable=True), (0, rounds * size - rows))
     kept = jnp.sum(keys < n)
+    if rounds == 1:
+        # No loop and no skip (a round of no kept rows leaves `y` as it is): differentiated,
+        # a loop of one carried zero-filled cotangents of everything `run` reads, the
+        # experts' weights among them (a train step's backward, `_rounds_one_back`).
+        return run(y, jnp.int32(0), order, jnp.arange(size) < kept)
 
     def one_round(y, start):
         def go(y):
