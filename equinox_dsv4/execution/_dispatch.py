@@ -128,6 +128,48 @@ _RAGGED = jax.lax.RaggedDotDimensionNumbers(
     lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0],
 )
+# Its gradients: the output's [m, out] through each row's group's weight, [m, in]; and per
+# group, its rows' outputs' and inputs' products summed over the rows, [groups, out, in].
+_RAGGED_ROWS_BACK = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+_RAGGED_WEIGHTS_BACK = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[],
+)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_product(a, w, counts, precision):
+    # `ragged_dot_general(a, w, counts, _RAGGED)` in float32, whose gradients come out of
+    # their products in `a`'s and `w`'s dtypes, the weights' as stored: through
+    # `ragged_dot_general`'s own transpose both came out in float32, the weights' transposed,
+    # and were converted after, whole (docs/design.md, "Grouped products' gradients").
+    return _grouped_product_fwd(a, w, counts, precision)[0]
+
+
+def _grouped_product_fwd(a, w, counts, precision):
+    y = jax.lax.ragged_dot_general(
+        a, w, counts, _RAGGED, precision=precision, preferred_element_type=jnp.float32
+    )
+    return y, (a, w, counts)
+
+
+def _grouped_product_bwd(precision, residuals, g):
+    a, w, counts = residuals
+    da = jax.lax.ragged_dot_general(
+        g, w, counts, _RAGGED_ROWS_BACK, precision=precision, preferred_element_type=a.dtype
+    )
+    dw = jax.lax.ragged_dot_general(
+        g, a, counts, _RAGGED_WEIGHTS_BACK, precision=precision, preferred_element_type=w.dtype
+    )
+    return da, dw, None
+
+
+_grouped_product.defvjp(_grouped_product_fwd, _grouped_product_bwd)
 
 
 def _alike(*operands: Any) -> tuple[Any, ...]:
@@ -248,14 +290,7 @@ def _grouped_mlp(xs, ws, counts, w1, w2, w3, act, hidden=None):
         if isinstance(w, LoraWeight):  # the adapter's two thin ragged products beside the base's
             delta = w.scale * product(product(a, w.a), w.b)
             return product(a, w.base) + delta
-        return jax.lax.ragged_dot_general(
-            a.astype(c),
-            w.astype(c),
-            counts,
-            _RAGGED,
-            precision=precision,
-            preferred_element_type=jnp.float32,
-        )
+        return _grouped_product(a.astype(c), w.astype(c), counts, precision)
 
     g, u = product(xs, w1), product(xs, w3)
     h = (swiglu(g, u, limit) * ws[:, None]).astype(xs.dtype)
