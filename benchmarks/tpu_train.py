@@ -129,16 +129,24 @@ def roofline(costs: list[dict], layers: int, useful: float) -> dict:
 def measured(name: str, work: pathlib.Path) -> dict:
     """Run `name`'s compiles (reused from `work`) and its row: the reports, and where the cost
     compiles ran, the roofline (`roofline`)."""
-    model, topology, mesh, batch, remat, micro, with_cost = RUNS[name][:7]
-    memory, costs = compiled_run(arguments, name, work, with_cost)
+    memory, costs = compiled_run(arguments, name, work, RUNS[name][6])
     row = {"name": name, "memory": memory, "costs": costs}
     if costs and not any("error" in c for c in costs):
-        config = {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[model]()
-        chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
-        useful = ed.train.train_flops(config, SEQ_LEN) * batch / chips
-        row |= roofline(costs, config.num_hidden_layers, useful)
+        layers = _config(name).num_hidden_layers
+        row |= roofline(costs, layers, useful_flops(name))
         row["mfu_is"] = mfu_is(costs)
     return row
+
+
+def _config(name: str) -> ed.Config:
+    return {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[RUNS[name][0]]()
+
+
+def useful_flops(name: str) -> float:
+    """The useful FLOPs per chip of run `name`'s step (`ed.train.train_flops`)."""
+    model, topology, mesh, batch = RUNS[name][:4]
+    chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    return ed.train.train_flops(_config(name), SEQ_LEN) * batch / chips
 
 
 def mfu_is(costs: list[dict]) -> str:
