@@ -95,8 +95,6 @@ MAXTEXT_SETTINGS = (
 )
 CONFIGS = {"default": (), "rbf2": ("ragged_buffer_factor=2",)}
 OURS = "flash-256"
-LAYERS = 43
-COST_LAYERS = (5, 7)
 
 
 def maxtext_arguments(config: str, layers: int | None) -> list[str]:
@@ -200,32 +198,27 @@ def our_row(work: pathlib.Path) -> dict:
     """Our row (`tpu_train.py`'s `OURS`): as `tpu_train.measured`, with each cost compile's
     optimised module kept (`dump_flags`) to read its Pallas kernels (`charged`)."""
     from tpu_memory import compiled  # noqa: PLC0415 (this project's environment)
-    from tpu_train import arguments, mfu_is, roofline, useful_flops  # noqa: PLC0415
+    from tpu_train import COST_LAYERS, arguments, layers, mfu_is, roofline, useful_flops
 
     memory = compiled(arguments(OURS, work / f"{OURS}.json"), work / f"{OURS}.json")
     costs = []
     for n in COST_LAYERS:
-        out, text = work / f"{OURS}-{n}.json", work / f"{OURS}-{n}.hlo.txt"
-        flags = os.environ.get("XLA_FLAGS")
-        os.environ["XLA_FLAGS"] = dump_flags(out.with_suffix(".dump"))
-        try:
-            cost = compiled(arguments(OURS, out, n), out)
-        finally:
-            os.environ.pop("XLA_FLAGS") if flags is None else os.environ.update(XLA_FLAGS=flags)
-        keep_dumped(out.with_suffix(".dump"), text)
+        out, dump = work / f"{OURS}-{n}.json", work / f"{OURS}-{n}.dump"
+        cost = compiled(arguments(OURS, out, n), out, env={"XLA_FLAGS": dump_flags(dump)})
+        keep_dumped(dump, out.with_suffix(".hlo.txt"))
         if "error" not in cost:
-            cost["phases"]["train"] = charged(cost["phases"]["train"], text)
+            cost["phases"]["train"] = charged(cost["phases"]["train"], out.with_suffix(".hlo.txt"))
         costs.append(cost)
     row = {"name": OURS, "memory": memory, "costs": costs}
     if not any("error" in c for c in costs):
-        row |= roofline(costs, LAYERS, useful_flops(OURS)) | {"mfu_is": mfu_is(costs)}
+        row |= roofline(costs, layers(OURS), useful_flops(OURS)) | {"mfu_is": mfu_is(costs)}
     return row
 
 
 def maxtext_row(python: str, tree: pathlib.Path, config: str, work: pathlib.Path) -> dict:
     """MaxText's row: its whole-model compile (memory) and its cost compiles, their Pallas
     kernels charged at least their operands and results (`charged`)."""
-    from tpu_train import roofline, useful_flops  # noqa: PLC0415 (this project's environment)
+    from tpu_train import COST_LAYERS, layers, roofline, useful_flops  # noqa: PLC0415
 
     memory = maxtext_compile(python, tree, config, None, work)
     texts = [work / f"maxtext-{config}-{n}.hlo.txt" for n in COST_LAYERS]
@@ -235,7 +228,8 @@ def maxtext_row(python: str, tree: pathlib.Path, config: str, work: pathlib.Path
     ]
     row = {"name": f"maxtext-{config}", "memory": memory, "costs": costs}
     if not any("error" in c for c in costs):
-        row |= roofline([{"phases": {"train": c}} for c in costs], LAYERS, useful_flops(OURS))
+        shaped = [{"phases": {"train": c}} for c in costs]
+        row |= roofline(shaped, layers(OURS), useful_flops(OURS))
     return row
 
 
@@ -273,11 +267,12 @@ def pallas_cell(costs: list[dict]) -> str:
     trains = [c["phases"]["train"] if "phases" in c else c for c in costs]
     if not all("pallas" in t for t in trains):
         return "not read (no module text)"
+    from tpu_train import COST_LAYERS, at_depth, layers  # noqa: PLC0415
+
     counts = "/".join(str(t["pallas"]["kernels"]) for t in trains)
-    a, b = (t["pallas"]["added_bytes"] for t in trains)
-    added = a + (LAYERS - COST_LAYERS[0]) / (COST_LAYERS[1] - COST_LAYERS[0]) * (b - a)
-    layers = "/".join(map(str, COST_LAYERS))
-    return f"{counts} in the {layers}-layer programs; +{added / 2**30:.2f} GiB in the step"
+    added = at_depth(*(t["pallas"]["added_bytes"] for t in trains), layers(OURS))
+    depths = "/".join(map(str, COST_LAYERS))
+    return f"{counts} in the {depths}-layer programs; +{added / 2**30:.2f} GiB in the step"
 
 
 def main() -> int:
@@ -299,6 +294,7 @@ def main() -> int:
         return 0
 
     from common import markdown, recorded, today, write  # noqa: PLC0415
+    from tpu_train import layers  # noqa: PLC0415
 
     wanted = args.only or ["ours", *CONFIGS]
     if set(wanted) & set(CONFIGS) and not (args.maxtext and args.maxtext_python):
@@ -324,7 +320,7 @@ def main() -> int:
     header += ["TFLOPs / chip", "GiB accessed / chip", "roofline s, v5p peak", "MFU estimate"]
     header += ["Pallas kernels, bytes their estimates left out"]
     table = markdown(header, [cells(r) for r in rows])
-    extra = {"maxtext_settings": MAXTEXT_SETTINGS, "configs": CONFIGS, "layers": LAYERS}
+    extra = {"maxtext_settings": MAXTEXT_SETTINGS, "configs": CONFIGS, "layers": layers(OURS)}
     extra["table"] = table  # the performance page's (docs/performance.md)
     write("tpu_maxtext", rows, table, extra)
     return 0

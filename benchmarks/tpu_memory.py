@@ -75,15 +75,16 @@ def run(name: str, work: pathlib.Path) -> dict | None:
     return compiled(compile_arguments(model, quantized, topology, mesh, phases, out) + extra, out)
 
 
-def compiled(arguments: list[str], out: pathlib.Path) -> dict:
+def compiled(arguments: list[str], out: pathlib.Path, env: dict[str, str] | None = None) -> dict:
     """`python -m equinox_dsv4.compile ARGUMENTS` writing `out`, unless `out` (or the error file
-    beside it, `{"error": ...}`: a refusal is kept, not retried) is there already."""
+    beside it, `{"error": ...}`: a refusal is kept, not retried) is there already; `env`: more
+    environment variables for the compile (e.g. XLA's dump flags)."""
     refused = out.with_suffix(".error")
     if refused.exists():
         return {"error": refused.read_text().strip()}
     if not out.exists():
         cmd = [sys.executable, "-m", "equinox_dsv4.compile", *arguments]
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             # The last error line; libtpu's start-up warnings (no TPU here) are not errors.

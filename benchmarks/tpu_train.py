@@ -85,12 +85,17 @@ def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[s
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
 
 
-def extrapolated(shallow: dict, deeper: dict, layers: int) -> dict[str, float]:
-    """FLOPs and bytes accessed per chip of `layers` layers from the unrolled 5- and 7-layer
-    programs (see the module's docstring)."""
-    a, b = shallow["phases"]["train"], deeper["phases"]["train"]
+def at_depth(shallow: float, deeper: float, layers: int) -> float:
+    """A per-chip figure of `layers` layers from the unrolled 5- and 7-layer programs' (see the
+    module's docstring)."""
     pairs = (layers - COST_LAYERS[0]) / (COST_LAYERS[1] - COST_LAYERS[0])
-    return {k: a[k] + pairs * (b[k] - a[k]) for k in ("flops", "bytes_accessed")}
+    return shallow + pairs * (deeper - shallow)
+
+
+def extrapolated(shallow: dict, deeper: dict, layers: int) -> dict[str, float]:
+    """FLOPs and bytes accessed per chip of `layers` layers (`at_depth`)."""
+    a, b = shallow["phases"]["train"], deeper["phases"]["train"]
+    return {k: at_depth(a[k], b[k], layers) for k in ("flops", "bytes_accessed")}
 
 
 def compiled_run(
@@ -132,14 +137,18 @@ def measured(name: str, work: pathlib.Path) -> dict:
     memory, costs = compiled_run(arguments, name, work, RUNS[name][6])
     row = {"name": name, "memory": memory, "costs": costs}
     if costs and not any("error" in c for c in costs):
-        layers = _config(name).num_hidden_layers
-        row |= roofline(costs, layers, useful_flops(name))
+        row |= roofline(costs, layers(name), useful_flops(name))
         row["mfu_is"] = mfu_is(costs)
     return row
 
 
 def _config(name: str) -> ed.Config:
     return {"v4-flash": ed.Config.v4_flash, "v4-pro": ed.Config.v4_pro}[RUNS[name][0]]()
+
+
+def layers(name: str) -> int:
+    """The decoder layers of run `name`'s model."""
+    return _config(name).num_hidden_layers
 
 
 def useful_flops(name: str) -> float:
