@@ -104,8 +104,14 @@ _TOGETHER = {
     "test_quantized.py": "quantized",
     "test_numerics.py": "numerics",
     "test_serve.py": "serve",
-    "test_train.py::test_bias_update_and_frozen_leaves": "train-small",
-    "test_train.py::test_resume_is_bit_exact": "train-small",
+    "test_speculative.py": "speculative",
+    "test_train.py::test_bias_update_and_frozen_leaves": "train-one-pass",
+    "test_train.py::test_resume_is_bit_exact": "train-one-pass",
+    "test_train.py::test_restore_rejects_another_model": "train-one-pass",
+    "test_train.py::test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device": (
+        "train-one-pass"
+    ),
+    "test_lora.py::test_adapter_gradients_equal_autograd_of_merged": "lora-gradients",
 }
 
 

@@ -83,7 +83,9 @@ def test_prefill_then_decode_equals_full_forward(setups, name):
 def test_prefill_in_chunks_equals_one_prefill(setups):
     model, ids, full = setups["flash_like"]
     cache = model.init_cache(2, LENGTH)
-    for a, b in [(0, 5), (5, 13), (13, 30), (30, 31), (31, LENGTH)]:
+    # Chunks of the prefill lengths above (9, 17, 1, 17), whose programs that test compiled,
+    # ending inside a CSA block (4), an HCA block (8) and the window (8) each time.
+    for a, b in [(0, 9), (9, 26), (26, 27), (27, LENGTH)]:
         logits, cache = decode(model, ids[:, a:b], cache)
         np.testing.assert_allclose(logits, full[:, a:b], **LOGITS)
     one = decode(model, ids, model.init_cache(2, LENGTH))[1]
@@ -124,12 +126,14 @@ def test_decode_step_compiles_once(setups):
         logits, cache = model.decode(token, cache)
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], cache
 
-    cache = model.init_cache(2, 60)
-    _, cache = decode(model, ids[:, :5], cache)
-    token = ids[:, 5:6]
-    for _ in range(50):
+    # The cache and a prefill length of `test_prefill_then_decode_equals_full_forward`: its
+    # program is compiled already. 41 steps fill the cache.
+    cache = model.init_cache(2, LENGTH)
+    _, cache = decode(model, ids[:, :3], cache)
+    token = ids[:, 3:4]
+    for _ in range(LENGTH - 3):
         token, cache = step(model, token, cache)
-    assert int(cache.positions[0]) == 55
+    assert int(cache.positions[0]) == LENGTH
 
 
 def test_cache_is_stacked_like_the_layers(setups):
@@ -152,8 +156,10 @@ def test_cache_is_stacked_like_the_layers(setups):
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_decoding_past_max_len_is_an_error(setups):
     model, ids, _ = setups["flash_like"]
-    cache = model.init_cache(2, 8)
-    _, cache = decode(model, ids[:, :8], cache)
+    # A full cache by the one prefill of `test_prefill_in_chunks_equals_one_prefill`, then a
+    # step past it: both programs are compiled already.
+    cache = model.init_cache(2, LENGTH)
+    _, cache = decode(model, ids, cache)
     with pytest.raises(Exception, match="max_len"):
         jax.block_until_ready(decode(model, ids[:, 8:9], cache))
     with pytest.raises(ValueError, match="positive"):
@@ -161,9 +167,9 @@ def test_decoding_past_max_len_is_an_error(setups):
     # The check is a host callback, and only decoding has it: a forward (or a train step) from
     # position 0 cannot overflow, and JAX never writes a program with a host callback to its
     # persistent compilation cache.
-    lowered = jax.jit(lambda m, i, c: m.decode(i, c)).lower(model, ids[:, 8:9], cache)
-    assert "callback" in lowered.as_text()
-    assert "callback" not in jax.jit(lambda m, i: m(i)).lower(model, ids).as_text()
+    # (The programs of the step above and of the fixture's forward: traced already.)
+    assert "callback" in decode.lower(model, ids[:, 8:9], cache).as_text()
+    assert "callback" not in eqx.filter_jit(model).lower(ids).as_text()
     # The public prefill and decode step check too; `generate`'s own steps do not (it checks
     # the prompts against `max_len`, and its loop stops each row before the cache is full), so
     # that its programs are reused across processes.
@@ -208,12 +214,18 @@ def decode_last(model, ids, cache, num_tokens):
     return model.decode(ids, cache, num_tokens, last_only=True)
 
 
-def _decode_step_temporaries(model, max_len: int) -> int:
-    """Temporaries of the one-token decode step with the cache donated, as `generate` runs it."""
+def _decode_step(model, max_len: int) -> jax.stages.Compiled:
+    """The one-token decode step with the cache donated, as `generate` runs it, compiled for
+    `model` (abstract or not) and a cache of `max_len`."""
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(1, max_len), model)
     ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    step = jax.jit(lambda m, i, c: m.decode(i, c), donate_argnums=2).lower(model, ids, cache)
-    return step.compile().memory_analysis().temp_size_in_bytes
+    step = jax.jit(lambda m, i, c: m.decode(i, c), donate_argnums=2)
+    return step.lower(model, ids, cache).compile()
+
+
+def _decode_step_temporaries(model, max_len: int) -> int:
+    """Temporaries of the one-token decode step with the cache donated, as `generate` runs it."""
+    return _decode_step(model, max_len).memory_analysis().temp_size_in_bytes
 
 
 def _csa_hca_stack(periods: int, scan: bool, **overrides) -> ed.Config:
@@ -294,37 +306,50 @@ def test_decode_reads_the_chosen_experts_from_the_stacked_weights(scan):
     assert len(slices) == traced * 3 * top_k  # w1, w3, w2 for each of the token's experts
 
 
-def test_bf16_cache_writes_do_not_convert_the_cache():
+# Unrolled layers: the small config of the benchmarks has no layer scan.
+BF16_CONFIG = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
+# A cache long enough that a conversion of it would dominate a step's temporaries.
+BF16_MAX_LEN = 4096
+
+
+@pytest.fixture(scope="module")
+def bf16_step():
+    """A bf16 model under this machine's policy and its decode step, compiled once for both
+    tests below: one measures its temporaries, the other runs it."""
+    model = random_fill(abstract(ed.DeepseekV4, BF16_CONFIG, dtype=jnp.bfloat16), seed=3)
+    cpu = ed.execution.Policy.for_platform("cpu")
+    model = ed.execution.with_policy(model, cpu)
+    return model, _decode_step(model, BF16_MAX_LEN)
+
+
+def test_bf16_cache_writes_do_not_convert_the_cache(bf16_step):
     # XLA:CPU ran a bf16 scatter in float32, converting each compressed cache there and back
     # every step: 825 KiB of temporaries here against 165 for float32. `set_rows` writes a
-    # step's few rows in place: 207 KiB (benchmarks/archive/NOTES.md, Round 9). Unrolled layers: the
-    # small config of the benchmarks has no layer scan.
-    config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
-    f32 = _decode_step_temporaries(abstract(ed.DeepseekV4, config), 4096)
-    bf16 = _decode_step_temporaries(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 4096)
+    # step's few rows in place: 207 KiB (benchmarks/archive/NOTES.md, Round 9).
+    f32 = _decode_step_temporaries(abstract(ed.DeepseekV4, BF16_CONFIG), BF16_MAX_LEN)
+    bf16 = bf16_step[1].memory_analysis().temp_size_in_bytes
     assert bf16 < 2 * f32, (bf16, f32)
 
 
-def test_bf16_decode_equals_the_scatter_writes():
+def test_bf16_decode_equals_the_scatter_writes(bf16_step):
     # The same bf16 decode with every cache write a scatter (`Policy.few_writes` below any
     # count): bit for bit the same caches and logits.
-    config = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
-    model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), seed=3)
-    ids = jnp.asarray(np.random.default_rng(3).integers(0, config.vocab_size, (1, 24)), jnp.int32)
+    model, cpu_step = bf16_step
+    ids = np.random.default_rng(3).integers(0, BF16_CONFIG.vocab_size, (1, 24))
+    ids = jnp.asarray(ids, jnp.int32)
 
-    def run(policy):  # one token a step, so that every write is a decode step's
-        placed = ed.execution.with_policy(model, policy)
-        step = eqx.filter_jit(lambda m, i, c: m.decode(i, c))
-        cache, out = placed.init_cache(1, 32), []
+    def run(placed, step):  # one token a step, so that every write is a decode step's
+        cache, out = placed.init_cache(1, BF16_MAX_LEN), []
         for t in range(ids.shape[1]):
             logits, cache = step(placed, ids[:, t : t + 1], cache)
             out.append(logits)
         return out, cache
 
-    cpu = ed.execution.Policy.for_platform("cpu")
+    cpu = model.policy
     assert cpu.widen_16bit and cpu.few_writes >= 1
-    ours = run(cpu)
-    scattered = run(dataclasses.replace(cpu, few_writes=-1))
+    ours = run(model, cpu_step)
+    scatter = ed.execution.with_policy(model, dataclasses.replace(cpu, few_writes=-1))
+    scattered = run(scatter, _decode_step(scatter, BF16_MAX_LEN))
     for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(scattered), strict=True):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 

@@ -75,25 +75,32 @@ def test_adapted_model_equals_merged(small):
     assert_close(got, want, COMPONENT)
 
 
+def _objective(m):
+    y = m(jnp.asarray(IDS))
+    return jnp.sum(y * jnp.cos(y))
+
+
+@eqx.filter_jit
+def _factor_grads(adapted):
+    params, frozen = eqx.partition(adapted, ed.train.trainable(adapted))
+    return jax.grad(lambda p: _objective(eqx.combine(p, frozen)))(params)
+
+
+@pytest.fixture(scope="module")
+def one_device_grads(small):
+    """The adapted model below and its adapters' gradients on one device, computed once for
+    both cases of the next test (the chain rule's, and the mesh's reference)."""
+    _, model = small
+    adapted = random_adapters(ed.lora.add(model, rank=3, alpha=6.0, key=jax.random.key(5)), 8)
+    return adapted, adapted_weights(_factor_grads(adapted))
+
+
 @pytest.mark.parametrize("mesh", [None, "fsdp2-expert2"])
-def test_adapter_gradients_equal_autograd_of_merged(small, mesh):
+def test_adapter_gradients_equal_autograd_of_merged(one_device_grads, mesh):
     # Every target (attention, shared and routed experts, the MTP block): the adapters'
     # gradients against the chain rule through autograd of the merged weights, on one
     # device; sharded on fsdp x expert, the outputs and gradients equal one device's.
-    _, model = small
-    adapted = random_adapters(ed.lora.add(model, rank=3, alpha=6.0, key=jax.random.key(5)), 8)
-    ids = jnp.asarray(IDS)
-
-    def objective(m):
-        y = m(ids)
-        return jnp.sum(y * jnp.cos(y))
-
-    @eqx.filter_jit
-    def factor_grads(adapted):
-        params, frozen = eqx.partition(adapted, ed.train.trainable(adapted))
-        return jax.grad(lambda p: objective(eqx.combine(p, frozen)))(params)
-
-    got = adapted_weights(factor_grads(adapted))
+    adapted, got = one_device_grads
     if mesh is None:
 
         def where(m):
@@ -101,7 +108,7 @@ def test_adapter_gradients_equal_autograd_of_merged(small, mesh):
 
         @jax.jit
         def merged_grads(ws):
-            return jax.grad(lambda ws: objective(eqx.tree_at(where, adapted, ws)))(ws)
+            return jax.grad(lambda ws: _objective(eqx.tree_at(where, adapted, ws)))(ws)
 
         weights = adapted_weights(adapted)
         grads = merged_grads([w.merged(jnp.float32) for w in weights])
@@ -117,7 +124,7 @@ def test_adapter_gradients_equal_autograd_of_merged(small, mesh):
     mesh = ed.make_mesh(fsdp=4, expert=2)
     sharded = ed.shard(adapted, mesh)
     with jax.set_mesh(mesh):
-        on_mesh = adapted_weights(factor_grads(sharded))
+        on_mesh = adapted_weights(_factor_grads(sharded))
     for g, h in zip(got, on_mesh, strict=True):
         _close_in_norm(h.a, g.a)
         _close_in_norm(h.b, g.b)
@@ -224,7 +231,8 @@ def test_no_cotangent_of_frozen_expert_stacks():
 def test_training_changes_only_the_adapters():
     # On the embedded default (its first layer and MTP block): a float32 base and the FP8/FP4 one.
     config = ed.Config.tiny().first_layers(1)
-    model = ed.DeepseekV4(config, key=jax.random.key(0))
+    # Its own initialisation in one program (eagerly, each weight's shape compiles its own).
+    model = eqx.filter_jit(lambda key: ed.DeepseekV4(config, key=key))(jax.random.key(0))
     rng = np.random.default_rng(4)
     batch = ed.Batch.from_tokens(rng.integers(0, config.vocab_size, (2, 17)).astype(np.int32))
     opt = ed.make_optimizer(1e-2, warmup_steps=0, total_steps=20)
@@ -269,7 +277,9 @@ def test_trainable_overrides_the_adapters_only_default(small):
 
     opt = ed.make_optimizer(1e-2, warmup_steps=0, total_steps=10)
     state = ed.init_train_state(adapted, opt, trainable=adapters_and_norms)
-    step = ed.make_train_step(opt, trainable=adapters_and_norms, donate=False)
+    # Without remat: what trains does not depend on it, and the step compiles faster (steps
+    # with it: test_training_changes_only_the_adapters).
+    step = ed.make_train_step(opt, trainable=adapters_and_norms, donate=False, remat=None)
     batch = ed.Batch.from_tokens(np.random.default_rng(5).integers(0, 97, (2, 13)).astype(np.int32))
     after, _ = step(state, batch)
     before = jax.tree_util.tree_flatten_with_path(ed.lora.base(state.model))[0]

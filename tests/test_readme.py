@@ -126,7 +126,7 @@ EAGER = textwrap.dedent(
 
 
 def test_eager_decode_loop(tmp_path):
-    steps = 44  # past the ring (16) and three HCA blocks (16 tokens each)
+    steps = 28  # past the ring (16), and row 0 (32 tokens) through two HCA blocks of 16
     succeeded(run_python("-c", EAGER, steps, cwd=tmp_path))
     out = np.load(tmp_path / "out.npz")
     assert out["eager_tokens"].shape == (steps, 2)

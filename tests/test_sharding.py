@@ -93,10 +93,11 @@ def test_specs_follow_the_rules():
     assert ed.parallel.ShardingRules.for_mesh(mesh).changes() == {}
 
 
-def test_rules_with_several_mesh_axes():
+def test_rules_with_several_mesh_axes(single):
     # The TPUs' default (`FSDP_EXPERT_RULES`): dense weights over fsdp and expert; an expert
     # stack's `experts` dim keeps `expert`, so `w2`'s `embed` dim gets fsdp only; a later dim
-    # gets what an earlier one left. Equal to one device.
+    # gets what an earlier one left. Equal to one device: the fixture's model and logits,
+    # whose program is compiled already.
     rules = ed.parallel.ShardingRules.of({**ed.parallel.DEFAULT_RULES, **FSDP_EXPERT})
     model = abstract(ed.DeepseekV4, CONFIG)
     mesh = ed.make_mesh(fsdp=2, tensor=2, expert=2)
@@ -108,15 +109,11 @@ def test_rules_with_several_mesh_axes():
     assert block.attn.wo_b.weight == P(None, ("fsdp", "expert"), "tensor")
     assert block.attn.wo_a.weight == P(None, ("tensor", "expert"), "fsdp")
     assert specs.embed.weight == P(None, ("fsdp", "expert"))
+    weights, ids, logits, _, _ = single
     with jax.set_mesh(mesh):
-        sharded = ed.shard(random_fill(model, seed=3), mesh, rules)
-        single = random_fill(model, seed=3)
-        ids = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 12)))
+        sharded = ed.shard(weights, mesh, rules)
         np.testing.assert_allclose(
-            eqx.filter_jit(lambda m, i: m(i))(sharded, ids),
-            eqx.filter_jit(lambda m, i: m(i))(single, ids),
-            atol=1e-5,
-            rtol=1e-5,
+            eqx.filter_jit(lambda m, i: m(i))(sharded, ids), logits, atol=1e-5, rtol=1e-5
         )
 
 
@@ -553,8 +550,11 @@ def test_vocabulary_split_equals_single_device():
     model = random_fill(abstract(ed.DeepseekV4, config), seed=5)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, 104, (2, 12)), jnp.int32)
 
-    def run(m, place_cache=lambda c: c):  # logits, then a prefill and one decode step
-        outs, cache = [eqx.filter_jit(m)(ids)], place_cache(m.init_cache(2, 16))
+    # A prefill and one decode step: both read the embedding and every position's head. (The
+    # forward's embedding and head are the same modules; it runs sharded, and equal to one
+    # device, in `test_sharded_model_equals_single_device`.)
+    def run(m, place_cache=lambda c: c):
+        outs, cache = [], place_cache(m.init_cache(2, 16))
         for chunk in (ids[:, :11], ids[:, 11:]):
             out, cache = _decode(m, chunk, cache)
             outs.append(out)

@@ -93,11 +93,13 @@ def _live(model, cache: ed.KVCache) -> list[np.ndarray]:
     entries and index keys, all by position."""
     out = []
     w = model.config.sliding_window
-    positions = np.asarray(cache.positions)
+    # On the host: a device array's slices would compile a program each.
+    cache = jax.device_get(cache)
+    positions = cache.positions
     for ratios, layers in zip(_ratios(model), cache.layers, strict=True):
         for ratio, layer in zip(ratios, layers, strict=True):
             for b, p in enumerate(positions):
-                ring = np.asarray(layer.ring[:, b])
+                ring = layer.ring[:, b]
                 keep = np.arange(max(0, p - w + 1), p)
                 out.append(ring[:, keep % ring.shape[1]])
                 if ratio is None:
@@ -108,9 +110,9 @@ def _live(model, cache: ed.KVCache) -> list[np.ndarray]:
                     if state is None:
                         continue
                     slots = np.arange(first, p) % state.kv.shape[2]
-                    out.append(np.asarray(state.kv[:, b])[:, slots])
-                    out.append(np.asarray(state.gate[:, b])[:, slots])
-                    out.append(np.asarray(state.entries[:, b, : p // m]))
+                    out.append(state.kv[:, b][:, slots])
+                    out.append(state.gate[:, b][:, slots])
+                    out.append(state.entries[:, b, : p // m])
     return out
 
 
@@ -118,7 +120,8 @@ def _live(model, cache: ed.KVCache) -> list[np.ndarray]:
 def test_rewind_gives_the_cache_of_the_kept_tokens(models, name):
     # Chunks of 1..4 tokens, then up to 3 of them taken back, per sequence, against one token
     # at a time of only the kept ones: through the window's wrap and many CSA and HCA block
-    # closes (window 8 or 16, ratios 4 and 8 or 16, 60 kept positions).
+    # closes (window 8 or 16, ratios 4 and 8 or 16, 60 kept positions). Every chunk in one
+    # compiled width of 4, the rest of it padding, as a speculative step appends its tokens.
     model = models[name]
     rng = np.random.default_rng(3)
     rewind, length = 3, 72
@@ -126,17 +129,18 @@ def test_rewind_gives_the_cache_of_the_kept_tokens(models, name):
     plain = model.init_cache(2, length)
     vocab = model.config.vocab_size
     while int(np.min(spec.positions)) < 60:
-        chunk = int(rng.integers(1, 5))
-        ids = rng.integers(0, vocab, (2, chunk))
-        count = rng.integers(1, chunk + 1, 2)
+        ids = rng.integers(0, vocab, (2, 4))
+        count = rng.integers(1, 5, 2)
         back = np.array([rng.integers(0, min(c, rewind) + 1) for c in count])
         logits, spec = _decode(model, jnp.asarray(ids), spec, jnp.asarray(count, jnp.int32))
         spec = spec.rewind(jnp.asarray(back, jnp.int32))
+        logits = np.asarray(logits)  # indexed on the host: no program per index
         kept = count - back
         for i in range(int(kept.max())):
             one, plain = _decode(
                 model, jnp.asarray(ids[:, i : i + 1]), plain, jnp.asarray(kept > i, jnp.int32)
             )
+            one = np.asarray(one)
             for b in np.flatnonzero(kept > i):
                 np.testing.assert_allclose(logits[b, i], one[b, 0], **LOGITS)
         np.testing.assert_array_equal(spec.positions, plain.positions)
@@ -145,12 +149,15 @@ def test_rewind_gives_the_cache_of_the_kept_tokens(models, name):
 
 
 def test_rewind_is_bounded(models):
+    # The cache and a chunk of test_rewind_gives_the_cache_of_the_kept_tokens: its programs.
+    # Four tokens appended, at most three may be taken back.
     model = models["flash_like"]
-    cache = model.init_cache(1, 16, rewind=2)
-    _, cache = _decode(model, jnp.zeros((1, 3), jnp.int32), cache, jnp.asarray([3], jnp.int32))
-    assert int(cache.rewind(jnp.asarray([2], jnp.int32)).positions[0]) == 1
+    cache = model.init_cache(2, 72, rewind=3)
+    four = jnp.asarray([4, 4], jnp.int32)
+    _, cache = _decode(model, jnp.zeros((2, 4), jnp.int32), cache, four)
+    assert int(cache.rewind(jnp.asarray([3, 3], jnp.int32)).positions[0]) == 1
     with pytest.raises(Exception, match="rewind"):
-        jax.block_until_ready(cache.rewind(jnp.asarray([3], jnp.int32)).positions)
+        jax.block_until_ready(cache.rewind(four).positions)
     with pytest.raises(ValueError, match="rewind must be >= 0"):
         model.init_cache(1, 16, rewind=-1)
 
@@ -162,27 +169,34 @@ def test_cached_mtp_equals_its_full_forward(models, name):
     model = models[name]
     rng = np.random.default_rng(4)
     n = 40
-    ids = jnp.asarray(rng.integers(0, model.config.vocab_size, (2, n + 2)), jnp.int32)
-    streams = model.streams(ids[:, :n])
-    caches = model.init_mtp_cache(2, 48)
+    # Three rows: the full forward's programs are test_drafts_equal_the_mtp_full_forward's.
+    ids = rng.integers(0, model.config.vocab_size, (3, n + 2)).astype(np.int32)
+    streams = model.streams(jnp.asarray(ids[:, :n]))
+    caches = model.init_mtp_cache(3, 48)
+    # Every chunk in one compiled width of 16, the rest of it padding (not counted), as a
+    # speculative step appends its accepted positions; sliced on the host (a device array's
+    # slices would compile a program each).
+    width = 16
     for depth, block in enumerate(model.mtp):
-        ahead = ids[:, depth + 1 : depth + 1 + n]
+        ahead = jnp.asarray(ids[:, depth + 1 : depth + 1 + n])
         h, out = eqx.filter_jit(block)(streams, ahead, model.embed)
         full = model.head(h, dtype=jnp.float32)
+        padded = [np.asarray(x) for x in (streams, ahead)]
+        padded = [np.pad(x, [(0, 0), (0, width)] + [(0, 0)] * (x.ndim - 2)) for x in padded]
         cache, got, got_streams, s = caches[depth], [], [], 0
         for chunk in (5, 1, 1, 8, 3, 16, 6):
-            logits, o, cache = model.mtp_decode(
-                streams[:, s : s + chunk], ahead[:, s : s + chunk], cache, depth=depth
-            )
-            got.append(logits)
-            got_streams.append(o)
+            part_streams, part_ahead = (jnp.asarray(x[:, s : s + width]) for x in padded)
+            count = jnp.asarray(np.full(3, chunk, np.int32))
+            logits, o, cache = model.mtp_decode(part_streams, part_ahead, cache, count, depth=depth)
+            got.append(np.asarray(logits)[:, :chunk])
+            got_streams.append(np.asarray(o)[:, :chunk])
             s += chunk
         assert s == n
-        np.testing.assert_allclose(jnp.concatenate(got, 1), full, **COMPONENT)
-        np.testing.assert_allclose(jnp.concatenate(got_streams, 1), out, **COMPONENT)
+        np.testing.assert_allclose(np.concatenate(got, 1), full, **COMPONENT)
+        np.testing.assert_allclose(np.concatenate(got_streams, 1), out, **COMPONENT)
         streams = out
     with pytest.raises(ValueError, match="depth must be in"):
-        model.mtp_decode(streams[:, :1], ids[:, :1], caches[0], depth=len(model.mtp))
+        model.mtp_decode(streams[:, :1], jnp.asarray(ids[:, :1]), caches[0], depth=len(model.mtp))
 
 
 def _few_tokens(model, keep: int = 4):
@@ -193,27 +207,78 @@ def _few_tokens(model, keep: int = 4):
     return eqx.tree_at(lambda m: m.head.weight, model, model.head.weight * scale)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_speculative_equals_plain_greedy(models, name):
-    # Prompts of 1..40 tokens in one batch, 64 new tokens each: past the window and many block
-    # closes. With the shrunk head drafts are accepted (6-18% here) and rejected, every number
-    # of them (random weights alone accept almost none). The speculative step is traced once:
-    # the drafter drafts in two programs, after the prefill and in the step.
-    drafter = _Watched(_Log(), _Log())
+def _prompts(name):
+    # Prompts of 1..40 tokens in one batch: shorter and longer than the window, across many
+    # block closes.
     rng = np.random.default_rng(5)
-    prompts = [list(rng.integers(0, CONFIGS[name].vocab_size, n)) for n in range(1, 41)]
+    return [list(rng.integers(0, CONFIGS[name].vocab_size, n)) for n in range(1, 41)]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models):
+    """Plain greedy generation of `_prompts(name)`, up to 64 new tokens in a cache of 96, per
+    config, made once: the reference of the speculative runs below. Greedy rows are
+    independent: a row's first n tokens are what n new tokens give, in any batch."""
+    made = {}
+
+    def of(name):
+        if name not in made:
+            model = _few_tokens(models[name])
+            made[name] = ed.generate(model, _prompts(name), max_new_tokens=64, max_len=96)
+        return made[name]
+
+    return of
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_speculative_equals_plain_greedy(models, plain_greedy, name):
+    # Up to 64 new tokens per prompt: past the window and many block closes. With the shrunk
+    # head drafts are accepted (6-18% here) and rejected, every number of them (random weights
+    # alone accept almost none). Rows end at max_len (96: prompts 33 .. 40 before 64 tokens),
+    # at a stop token, or at max_new_tokens, in the middle of a step's accepted tokens too; the
+    # callback streams the same tokens. One cache length throughout, so the speculative step
+    # is traced once: the drafter drafts in two programs, after the prefill and in the step.
+    drafter = _Watched(_Log(), _Log())
+    prompts = _prompts(name)
     depth = CONFIGS[name].num_nextn_predict_layers
     model = _few_tokens(models[name])
-    plain = ed.generate(model, prompts, max_new_tokens=64)
-    stats = {}
-    spec = ed.generate(model, prompts, max_new_tokens=64, speculative=drafter, stats=stats)
-    assert len(drafter.traced.items) == 2 and stats["steps"] > 2
-    for row, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        assert a == b, f"prompt {row}: first difference at {np.argmin(np.equal(a, b))}"
-    assert stats["tokens"] == 40 * 64
-    assert sum(stats["histogram"]) * depth == stats["drafted"]
-    # Every number of accepted drafts occurs (for pro_like: the second depth's too).
-    assert all(count > 0 for count in stats["histogram"]), stats
+    plain = plain_greedy(name)
+    assert [len(row) for row in plain] == [min(64, 96 - len(p)) for p in prompts]
+    stop = plain[0][6]
+    # Greedy rows are independent: with the stop token, plain generation gives each row's
+    # tokens before its first stop; with a limit of 3, its first 3.
+    stopped = [row[: row.index(stop)] if stop in row else row for row in plain]
+    for kwargs, expected in (
+        ({"max_new_tokens": 64}, plain),
+        ({"max_new_tokens": 64, "stop_tokens": [stop]}, stopped),
+        ({"max_new_tokens": 3}, [row[:3] for row in plain]),
+    ):
+        seen, stats = [], {}
+        spec = ed.generate(
+            model,
+            prompts,
+            max_len=96,
+            speculative=drafter,
+            callback=lambda t, r, seen=seen: seen.append((t.copy(), r.copy())),
+            stats=stats,
+            **kwargs,
+        )
+        for row, (a, b) in enumerate(zip(expected, spec, strict=True)):
+            assert a == b, (kwargs, row, f"first difference at {np.argmin(np.equal(a, b))}")
+        assert [[int(t[b]) for t, r in seen if r[b]] for b in range(len(prompts))] == spec
+        assert stats["tokens"] == sum(map(len, spec))
+        assert sum(stats["histogram"]) * depth == stats["drafted"]
+        if "stop_tokens" in kwargs:
+            assert len(spec[0]) == plain[0].index(stop) < 64
+        elif kwargs["max_new_tokens"] == 64:
+            assert stats["steps"] > 2
+            # Every number of accepted drafts occurs (for pro_like: the second depth's too).
+            assert all(count > 0 for count in stats["histogram"]), stats
+    assert len(drafter.traced.items) == 2  # the same programs throughout
+    with pytest.raises(ValueError, match="has none"):
+        ed.generate(
+            eqx.tree_at(lambda m: m.mtp, model, ()), [[1]], max_new_tokens=2, speculative=True
+        )
 
 
 def test_drafts_equal_the_mtp_full_forward(models):
@@ -236,28 +301,30 @@ def test_drafts_equal_the_mtp_full_forward(models):
     )
     records = drafter.records.items
     assert len(records) > 8
-    n = 48  # one padded length: one compiled forward (causal: padding changes nothing before)
+    n = 40  # one padded length (causal: padding changes nothing before)
 
-    @eqx.filter_jit
     def full(ids):
-        # [batch, n] tokens (each row's sequence, pending token last, then `draft` after it)
-        streams = model.streams(ids)
-        h0, x0 = model.mtp[0](streams[:, :-2], ids[:, 1:-1], model.embed)
-        h1, _ = model.mtp[1](x0, ids[:, 2:], model.embed)
+        # [3, n + 2] tokens (each row's sequence, pending token last, then the first depth's
+        # draft after it): both depths' logits at positions 0 .. n-1, from the programs of
+        # test_cached_mtp_equals_its_full_forward (the same shapes).
+        streams = model.streams(jnp.asarray(ids[:, :n]))
+        h0, x0 = eqx.filter_jit(model.mtp[0])(streams, jnp.asarray(ids[:, 1 : n + 1]), model.embed)
+        h1, _ = eqx.filter_jit(model.mtp[1])(x0, jnp.asarray(ids[:, 2:]), model.embed)
         return model.head(h0, dtype=jnp.float32), model.head(h1, dtype=jnp.float32)
 
     done = np.zeros(3, np.int64)  # tokens out of generate so far (the first: the prefill's)
     checked = 0
     for counts, tokens, probs in records:
         done += counts
-        ids = np.zeros((3, n), np.int32)
+        ids = np.zeros((3, n + 2), np.int32)
         lengths = []
         for b, p in enumerate(prompts):
             seq = p + out[b][: done[b]]
             lengths.append(len(seq))
             ids[b, : len(seq)] = seq
             ids[b, len(seq)] = tokens[b, 0]  # the first depth's draft: the second's input
-        logits0, logits1 = full(jnp.asarray(ids))
+        # On the host: indexing a device array compiles a program per index.
+        logits0, logits1 = map(np.asarray, full(ids))
         for b in range(3):
             if done[b] > len(out[b]) or counts[b] == 0:
                 continue  # the row had ended (its last tokens cut at the limit)
@@ -268,47 +335,15 @@ def test_drafts_equal_the_mtp_full_forward(models):
     assert checked > 20
 
 
-def test_stops_and_limits_as_plain(models):
-    # One cache length throughout (one set of compiled steps): rows end at max_len, at a stop
-    # token, or at max_new_tokens, in the middle of a step's accepted tokens too.
-    model = _few_tokens(models["pro_like"])
-    prompts = [[5, 6, 7], [1], [9, 9, 9, 9, 9, 9]]
-    free = ed.generate(model, prompts, max_new_tokens=70, max_len=64)
-    assert [len(f) for f in free] == [64 - len(p) for p in prompts]
-    stop = free[0][6]
-    for kwargs in (
-        {"max_new_tokens": 70},
-        {"max_new_tokens": 70, "stop_tokens": [stop]},
-        {"max_new_tokens": 3},
-    ):
-        seen = []
-        plain = ed.generate(model, prompts, max_len=64, **kwargs)
-        spec = ed.generate(
-            model,
-            prompts,
-            max_len=64,
-            speculative=True,
-            callback=lambda t, r, seen=seen: seen.append((t.copy(), r.copy())),
-            **kwargs,
-        )
-        assert spec == plain, kwargs
-        streamed = [[int(t[b]) for t, r in seen if r[b]] for b in range(3)]
-        assert streamed == spec
-    with pytest.raises(ValueError, match="has none"):
-        ed.generate(
-            eqx.tree_at(lambda m: m.mtp, model, ()), [[1]], max_new_tokens=2, speculative=True
-        )
-
-
-def test_speculative_on_a_sharded_model(models):
-    # Weights split over fsdp x expert, the caches (the MTP blocks' too) over the batch.
+def test_speculative_on_a_sharded_model(plain_greedy, models):
+    # Weights split over fsdp x expert, the caches (the MTP blocks' too) over the batch. Against
+    # plain greedy generation's first rows (prompts of 1..4 tokens; see plain_greedy).
     model = _few_tokens(models["flash_like"])
-    prompts = [[5, 6, 7], [8, 9], [1], [4, 4, 4, 4]]
-    expected = ed.generate(model, prompts, max_new_tokens=12)
     sharded = ed.shard(model, ed.make_mesh(fsdp=2, expert=4))
     stats = {}
+    prompts = _prompts("flash_like")[:4]
     got = ed.generate(sharded, prompts, max_new_tokens=12, speculative=True, stats=stats)
-    assert got == expected
+    assert got == [row[:12] for row in plain_greedy("flash_like")[:4]]
     assert stats["accepted"] > 0
 
 
@@ -359,21 +394,26 @@ def test_accept_drafts_row_by_row():
     ]
     drafts = jnp.stack([t for t, _ in drawn], axis=1)
     q = jnp.stack([p for _, p in drawn], axis=1)
-    accepted, tokens = ed.inference.accept_drafts(logits, drafts, q, keys, rows)
+    # Jitted: a program per Sampling, not one per operation, shape and index.
+    accept = eqx.filter_jit(ed.inference.accept_drafts)
+    accepted, tokens = map(np.asarray, accept(logits, drafts, q, keys, rows))
+    # Rows taken on the host: a device array's row would compile a program per index.
+    logits, near, drafts, q = map(np.asarray, (logits, near, drafts, q))
     for r, s in enumerate(settings):
         row = slice(r, r + 1)
         if s.greedy:
-            np.testing.assert_array_equal(drafts[r], jnp.argmax(near[r], -1))
+            np.testing.assert_array_equal(drafts[r], np.argmax(near[r], -1))
             np.testing.assert_array_equal(q[r], jax.nn.one_hot(drafts[r], v))
         else:
-            expected = jax.nn.softmax(ed.inference.filtered_logits(near[r], s), axis=-1)
+            filtered = ed.inference.filtered_logits(jnp.asarray(near[r]), s)
+            expected = jax.nn.softmax(filtered, axis=-1)
             np.testing.assert_allclose(q[r], expected, rtol=1e-5, atol=1e-7)
-        probs = None if s.greedy else q[row]
-        a, t = ed.inference.accept_drafts(logits[row], drafts[row], probs, keys[r], s)
+        probs = None if s.greedy else jnp.asarray(q[row])
+        alone = jnp.asarray(logits[row]), jnp.asarray(drafts[row])
+        a, t = map(np.asarray, accept(*alone, probs, keys[r], s))
         assert int(accepted[r]) == int(a[0]), r
         np.testing.assert_array_equal(tokens[r, : int(a[0]) + 1], t[0, : int(a[0]) + 1])
     # Both rules occur: drafts accepted and rejected, greedy and sampled.
-    accepted = np.asarray(accepted)
     assert 0 < accepted.sum() < b * n
     assert accepted[[0, 3, 6]].sum() > 0 and accepted[[1, 2, 4, 5, 7]].sum() > 0
 
@@ -394,13 +434,18 @@ def test_speculative_sampling_draws_the_plain_distribution():
     def probs(logits):
         return np.asarray(jax.nn.softmax(ed.inference.filtered_logits(logits, s), axis=-1))
 
+    @eqx.filter_jit
+    def forward(model, seqs):
+        # One forward: the main model's logits, and the MTP block's at the prompt's end.
+        streams = model.streams(seqs)
+        return model.logits(streams), model.mtp_logits(streams[:, -2:-1], seqs[:, -1:])[:, 0]
+
     seqs = jnp.asarray([prompt + [x] for x in range(8)], jnp.int32)
-    first = probs(eqx.filter_jit(model)(seqs[:1, :-1])[:, -1])[0]
-    second = probs(eqx.filter_jit(model)(seqs)[:, -1])  # [x1, x2]
+    logits, mtp = forward(model, seqs)
+    first = probs(logits[:1, -2])[0]  # causal: position -2 sees the prompt alone
+    second = probs(logits[:, -1])  # [x1, x2]
     exact = first[:, None] * second
     # What always accepting the MTP's draft would give: x2 from the MTP's distribution.
-    streams = model.streams(seqs)
-    mtp = model.mtp_logits(streams[:, -2:-1], seqs[:, -1:])[:, 0]
     wrong = first[:, None] * probs(mtp)
 
     out = ed.generate(

@@ -2,6 +2,8 @@
 hand, load balancing, overfitting a fixed text, bit-exact resume, remat memory, a data x fsdp x
 expert step against one device (FSDP across processes: tests/test_multihost.py)."""
 
+import types
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -101,10 +103,16 @@ def test_loss_terms_worked_out_by_hand():
 
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     lm_mask = mask[:, :-1] * mask[:, 1:]
-    streams = model.streams(jnp.asarray(inputs))
-    lm = ce(model.logits(streams), labels, lm_mask)
+
+    # The model's logits and MTP logits in one program (eagerly, each operation compiles alone).
+    @eqx.filter_jit
+    def forward(model, inputs, labels):
+        streams = model.streams(inputs)
+        return model.logits(streams), model.mtp_logits(streams, labels)
+
+    logits, mtp_logits = forward(model, jnp.asarray(inputs), jnp.asarray(labels))
+    lm = ce(logits, labels, lm_mask)
     # MTP: position t reads token t + 1 and predicts token t + 2.
-    mtp_logits = model.mtp_logits(streams, jnp.asarray(labels))
     mtp = ce(np.asarray(mtp_logits)[:, :-1], labels[:, 1:], lm_mask[:, :-1] * lm_mask[:, 1:])
     # Per segment, per period position, stacked along the repeats.
     balance = float(sum(float(jnp.sum(s.balance)) for seg in aux["stats"] for s in seg))
@@ -147,25 +155,49 @@ RATE = 0.25
 
 
 @pytest.fixture(scope="module")
-def small():
-    """One compiled step shared by the tests below (batches of 2 x 20 tokens)."""
-    config = _small()
-    opt = ed.make_optimizer(3e-3, warmup_steps=2, total_steps=10)
-    return config, opt, ed.make_train_step(opt, bias_update_rate=RATE, donate=False)
-
-
-def test_bias_update_and_frozen_leaves(small):
-    config, opt, step = small
-    model = random_fill(abstract(ed.DeepseekV4, config), seed=1)
+def one_pass():
+    """One step on one device, compiled once for three tests: the micro-batch test's reference,
+    the bias-update test, and the resume test (which runs it ten times). Eight sequences of 20
+    targets, padding unevenly spread (rows 1, 4 and 6). SGD with momentum: a first step's
+    update is the gradient itself (Adam's first step, g / |g|, would magnify float32
+    summation-order noise in near-zero gradient entries into full-size updates), and the state
+    still carries what a resume must restore (the momentum, like Adam's moments, and the
+    schedule's step count). Without remat: none of the three depends on it, and the step
+    compiles faster (remat's own test: `test_remat_lowers_train_step_temporaries`; steps with
+    it run in tests/test_lora.py::test_training_changes_only_the_adapters)."""
+    config = _small(num_attention_heads=8, o_groups=4)
+    model = random_fill(abstract(ed.DeepseekV4, config), seed=8)
+    opt = optax.sgd(optax.constant_schedule(0.5), momentum=0.9)
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 97, (8, 21))
+    mask = np.ones((8, 21), np.float32)
+    mask[1, 9:] = mask[4, 15:] = mask[6, 3:] = 0.0
+    batch = ed.Batch.from_tokens(tokens, mask)
     state = ed.init_train_state(model, opt)
-    rate = RATE
-    batch = ed.Batch.from_tokens(np.random.default_rng(1).integers(0, 97, (2, 21)))
+    step = ed.make_train_step(opt, bias_update_rate=RATE, donate=False, remat=None)
     new, metrics = step(state, batch)
+    return types.SimpleNamespace(
+        config=config,
+        model=model,
+        opt=opt,
+        step=step,
+        batch=batch,
+        state=state,
+        new=new,
+        metrics=metrics,
+    )
+
+
+def test_bias_update_and_frozen_leaves(one_pass):
+    config, model = one_pass.config, one_pass.model
+    state, new, metrics = one_pass.state, one_pass.new, one_pass.metrics
+    rate = RATE
     # Plan: layer 0 (sliding, hash-routed), then a scan of two (CSA, HCA) pairs.
     old_stack, new_stack = state.model.layers[1], new.model.layers[1]
     for p, block in enumerate(old_stack.blocks):
         load = np.asarray(metrics["load"][1 + p])  # per repeat of this period position
-        assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 2 * 20 * 2)
+        # Every position of the 8 x 20 is routed (padding too), to two experts each.
+        assert load.shape == (2, config.n_routed_experts) and np.all(load.sum(-1) == 8 * 20 * 2)
         want = block.ffn.gate.bias + rate * np.sign(load.mean(-1, keepdims=True) - load)
         np.testing.assert_allclose(new_stack.blocks[p].ffn.gate.bias, want, rtol=1e-6)
     hashed = state.model.layers[0].blocks[0].ffn.gate
@@ -204,7 +236,9 @@ def test_overfits_a_fixed_text():
         max_position_embeddings=512,
         rope_scaling=None,
     )
-    model = ed.DeepseekV4(config, key=jax.random.key(0))
+    # The model's own initialisation (the loss starts at its scale), in one program: eagerly,
+    # each weight's shape would compile kernels of its own.
+    model = eqx.filter_jit(lambda key: ed.DeepseekV4(config, key=key))(jax.random.key(0))
     opt = ed.make_optimizer(1e-2, warmup_steps=10, total_steps=150, weight_decay=0.0)
     state = ed.init_train_state(model, opt)
     step = ed.make_train_step(opt, balance_weight=0.0, remat=None)
@@ -218,12 +252,13 @@ def test_overfits_a_fixed_text():
     assert losses[0] > 5.0 and losses[-1] < 0.5, losses[::10] + losses[-1:]
 
 
-def test_resume_is_bit_exact(tmp_path, small):
-    config, opt, step = small
-    data = np.random.default_rng(4).integers(0, 97, (10, 2, 21)).astype(np.int32)
+def test_resume_is_bit_exact(tmp_path, one_pass):
+    opt, step = one_pass.opt, one_pass.step
+    # Batches shaped as `one_pass`'s (its compiled step serves).
+    data = np.random.default_rng(4).integers(0, 97, (10, 8, 21)).astype(np.int32)
 
     def fresh():
-        return ed.init_train_state(random_fill(abstract(ed.DeepseekV4, config), seed=4), opt)
+        return ed.init_train_state(one_pass.model, opt)
 
     def run(state, start, stop):
         for i in range(start, stop):
@@ -248,9 +283,9 @@ def test_resume_is_bit_exact(tmp_path, small):
         np.testing.assert_array_equal(a, b)
 
 
-def test_restore_rejects_another_model(tmp_path, small):
-    config, opt, _ = small
-    state = ed.init_train_state(random_fill(abstract(ed.DeepseekV4, config), seed=0), opt)
+def test_restore_rejects_another_model(tmp_path, one_pass):
+    opt = one_pass.opt
+    state = ed.init_train_state(one_pass.model, opt)
     ed.train.save_train_state(tmp_path / "s", state)
     other = ed.init_train_state(
         random_fill(abstract(ed.DeepseekV4, _small(hidden_size=48)), seed=0), opt
@@ -285,27 +320,18 @@ def test_remat_lowers_train_step_temporaries():
     assert dots < 0.5 * without
 
 
-def test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device():
+def test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device(one_pass):
     # Two micro-batches on a data x fsdp x expert mesh (each device's two sequences split
     # between them), with padding unevenly spread (so each micro-batch's losses weigh by its own
     # share of the counted tokens), the MTP and balance losses on, and the router-bias update
-    # from the summed loads: the same step as one pass on one device. The experts' custom VJP
-    # runs under shard_map: the weights' cotangents must be summed over `data`, the axis that
-    # splits the tokens but not the weights.
-    config = _small(num_attention_heads=8, o_groups=4)
-    model = random_fill(abstract(ed.DeepseekV4, config), seed=8)
-    # Plain SGD: the update is the gradient itself (Adam's first step, g / |g|, would magnify
-    # float32 summation-order noise in near-zero gradient entries into full-size updates).
-    opt = optax.sgd(0.5)
-    rng = np.random.default_rng(8)
-    tokens = rng.integers(0, 97, (8, 21))
-    mask = np.ones((8, 21), np.float32)
-    mask[1, 9:] = mask[4, 15:] = mask[6, 3:] = 0.0
-    batch = ed.Batch.from_tokens(tokens, mask)
-    step = ed.make_train_step(opt, donate=False, remat=None)
-    one, m1 = step(ed.init_train_state(model, opt), batch)
+    # from the summed loads: the same step as one pass on one device (`one_pass`: its first
+    # update is the gradient itself). The experts' custom VJP runs under shard_map: the
+    # weights' cotangents must be summed over `data`, the axis that splits the tokens but not
+    # the weights.
+    model, opt, batch = one_pass.model, one_pass.opt, one_pass.batch
+    one, m1 = one_pass.new, one_pass.metrics
     mesh = ed.make_mesh(data=2, fsdp=2, expert=2)
-    step = ed.make_train_step(opt, donate=False, remat=None, micro_batches=2)
+    step = ed.make_train_step(opt, bias_update_rate=RATE, donate=False, remat=None, micro_batches=2)
     with jax.set_mesh(mesh):
         acc, m2 = step(ed.init_train_state(ed.shard(model, mesh), opt), batch)
     for name in ("loss", "lm", "mtp", "balance", "tokens"):
