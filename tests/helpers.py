@@ -196,6 +196,23 @@ def compile_with_classic_cpu_emitters() -> None:
     compiler.compile_or_get_cached = compile_classic
 
 
+def generate_streamed(model, prompts, **kwargs) -> tuple[list[list[int]], dict]:
+    """`ed.generate(model, prompts, **kwargs)`'s rows and its stats; the tokens its callback
+    streamed, row by row, must be those rows."""
+    import equinox_dsv4 as ed  # not at the top: the scripts' start-up imports this file
+
+    seen, stats = [], {}
+    rows = ed.generate(
+        model,
+        prompts,
+        callback=lambda tokens, live: seen.append((tokens.copy(), live.copy())),
+        stats=stats,
+        **kwargs,
+    )
+    assert [[int(t[b]) for t, r in seen if r[b]] for b in range(len(prompts))] == rows
+    return rows, stats
+
+
 def assert_draws_from(
     pairs, exact: np.ndarray, wrong: np.ndarray, level: float = 1e-3, power: float = 0.99
 ) -> None:
