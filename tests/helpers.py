@@ -48,20 +48,21 @@ def random_adapters(model, seed: int, scale: float = 0.3):
     """`model` with every LoRA adapter's `A` and `B` random (a fresh `B` is zero, which would
     leave nothing to compare)."""
     import jax
-    import jax.numpy as jnp
 
     import equinox_dsv4 as ed
 
     rng = np.random.default_rng(seed)
+
+    def host(x, dtype):
+        # Cast on the host and put (jnp.asarray compiles a conversion per shape).
+        return jax.device_put(x.astype(np.float32).astype(dtype))
 
     def fill(w):
         if not isinstance(w, ed.lora.LoraWeight):
             return w
         a = rng.standard_normal(w.a.shape) / np.sqrt(w.a.shape[-1])
         b = scale * rng.standard_normal(w.b.shape) / np.sqrt(w.b.shape[-1])
-        return ed.lora.LoraWeight(
-            w.base, jnp.asarray(a, w.a.dtype), jnp.asarray(b, w.b.dtype), w.scale
-        )
+        return ed.lora.LoraWeight(w.base, host(a, w.a.dtype), host(b, w.b.dtype), w.scale)
 
     return jax.tree.map(fill, model, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
 

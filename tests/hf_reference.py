@@ -147,7 +147,11 @@ def fill_paths(module, values: dict[str, np.ndarray]):
         assert key in values, f"no reference value for {key}"
         value = values.pop(key)
         assert value.shape == leaf.shape, (key, value.shape, leaf.shape)
-        new.append(jnp.asarray(value, leaf.dtype))
+        # Cast on the host and put (jnp.asarray compiles a conversion or copy per shape).
+        value = np.asarray(value)
+        if value.dtype == np.float64:
+            value = value.astype(np.float32)  # as JAX narrows it, before any further cast
+        new.append(jax.device_put(value.astype(leaf.dtype)))
     assert not values, f"unused reference values: {sorted(values)}"
     return jax.tree_util.tree_unflatten(treedef, new)
 

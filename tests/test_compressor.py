@@ -130,7 +130,7 @@ def test_indexer_matches_reference(getkey, seq):
     if k == 0:
         assert expected.shape[-1] == 0
         return
-    keys = ours.compressor(x)
+    keys = eqx.filter_jit(ours.compressor)(x)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))
     scores = eqx.filter_jit(ours.scores)(x, qr, keys, pos)
     np.testing.assert_allclose(scores, ref_scores, **COMPONENT)
@@ -151,7 +151,7 @@ def test_indexer_scores_of_a_few_queries(getkey, queries):
     x, qr, positions = _inputs(getkey(), config, 2, seq)
     assert queries <= ed.nn.LightningIndexer.FEW_QUERIES
     _, ref_scores = _reference_picks_and_scores(reference, x, qr, positions)
-    keys = ours.compressor(x)
+    keys = eqx.filter_jit(ours.compressor)(x)
     last = slice(seq - queries, seq)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq))[:, last]
     scores = eqx.filter_jit(ours.scores)(x[:, last], qr[:, last], keys, pos)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import LOGITS, equations
+from helpers import LOGITS, equations, lowered
 from hf_reference import C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
@@ -149,6 +149,19 @@ def test_cache_is_stacked_like_the_layers(setups):
     assert csa.compressor.kv.shape == (2, 3, 8, 64)  # two blocks of Ca | Cb
     assert hca.compressor.kv.shape == (2, 3, 8, 32)
     assert cache.layers[0][0].compressor is None  # sliding-only
+
+
+def test_an_empty_cache_is_one_program(setups):
+    # Every array of an empty cache in one program, kept: not a small program per array shape
+    # (batch 5 and 88 tokens: shapes no other test makes), and none the second time.
+    model, _, _ = setups["flash_like"]
+    start = len(lowered())
+    cache = model.init_cache(5, 88, rewind=3)
+    assert len(lowered()) - start == 1, lowered()[start:]
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(cache))
+    again = model.init_cache(5, 88, rewind=3)
+    assert len(lowered()) - start == 1, lowered()[start:]
+    assert jax.tree.structure(again) == jax.tree.structure(cache)
 
 
 # Lowered by hand, the donating steps warn that `active` (int32) is not reused, as their calls

@@ -18,6 +18,7 @@ from helpers import (
     adapted_weights,
     assert_close,
     equations,
+    lowered,
     random_adapters,
     run_python,
 )
@@ -63,6 +64,20 @@ def test_fresh_adapters_change_nothing(small, base):
     got = _logits(adapted, IDS)
     assert got.dtype == expected.dtype
     assert np.array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_adding_adapters_is_one_program(small):
+    # Every factor in one program, kept: not a few small programs per weight shape (rank 7:
+    # shapes no other test makes), and none but the key split the second time.
+    _, model = small
+    start = len(lowered())
+    first = ed.lora.add(model, rank=7, key=jax.random.key(1))
+    assert len(lowered()) - start <= 2, lowered()[start:]  # the key split, the factors
+    start = len(lowered())
+    again = ed.lora.add(model, rank=7, key=jax.random.key(1))
+    assert len(lowered()) - start == 0, lowered()[start:]
+    for a, b in zip(adapted_weights(first), adapted_weights(again), strict=True):
+        assert a.a.shape[-2] == 7 and np.array_equal(a.a, b.a) and not np.any(b.b)
 
 
 def test_adapted_model_equals_merged(small):

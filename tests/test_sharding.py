@@ -146,7 +146,9 @@ def _random_experts(name: str, seed: int, **config) -> ed.nn.Experts:
         return experts
     weights = (experts.w1, experts.w2, experts.w3)
     return eqx.tree_at(
-        lambda e: (e.w1, e.w2, e.w3), experts, tuple(quantize(w, fmt) for w in weights)
+        lambda e: (e.w1, e.w2, e.w3),
+        experts,
+        tuple(eqx.filter_jit(quantize)(w, fmt) for w in weights),
     )
 
 

@@ -128,7 +128,10 @@ def test_balance_statistics_worked_out_by_hand():
     moe = random_fill(abstract(ed.nn.MoE, config, ed.config.MOE), seed=2)
     b, s, e, k = 2, 6, config.n_routed_experts, config.num_experts_per_tok
     x = jnp.asarray(np.random.default_rng(2).normal(size=(b, s, config.hidden_size)), jnp.float32)
-    _, stats = moe.with_stats(x, jnp.zeros((b, s), jnp.int32))
+    # One program (eagerly, each operation of the layer compiles alone).
+    _, stats = eqx.filter_jit(lambda m, x, ids: m.with_stats(x, ids))(
+        moe, x, jnp.zeros((b, s), jnp.int32)
+    )
     logits = np.asarray(x, np.float64) @ np.asarray(moe.gate.weight, np.float64).T
     scores = np.sqrt(np.log1p(np.exp(logits)))  # sqrtsoftplus
     chosen = np.argsort(-(scores + np.asarray(moe.gate.bias)), axis=-1)[..., :k]

@@ -268,4 +268,5 @@ def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> Dee
         buffers[slot.number][slot.index] = np.asarray(arrays[name]).astype(
             buffers[slot.number].dtype
         )
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(b) for b in buffers])
+    # device_put, not jnp.asarray: the latter compiles a copy program per shape.
+    return jax.tree_util.tree_unflatten(treedef, [jax.device_put(b) for b in buffers])

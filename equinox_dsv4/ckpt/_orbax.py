@@ -8,6 +8,7 @@ saying which part holds each piece (with its shape and dtype). The format does n
 the layer plan, so a checkpoint loads into any plan of its config.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -341,5 +342,8 @@ def load(
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+@functools.lru_cache(maxsize=256)
 def _stack(shape: tuple[int, ...], sharding: Any):
+    # One program per stacked shape and placement, kept: a model's stacked layers share a few
+    # shapes, and loading the same model again compiles none.
     return jax.jit(lambda *pieces: jnp.stack(pieces).reshape(shape), out_shardings=sharding)

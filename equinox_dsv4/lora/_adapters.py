@@ -7,6 +7,7 @@ it inside a block: the attention's projections, the shared expert's and the rout
 (one `A`/`B` pair per expert, stacked along the experts axis like the weights).
 """
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -103,27 +104,58 @@ def add(
     }
     if not picked:
         raise ValueError(f"lora.add: no weight of the model matches the targets {list(chosen)}")
-    keys = iter(jr.split(key, len(picked)))
+    # Every factor in one program (one per weight shape, and several per shape eagerly,
+    # would each be compiled), each placed beside its weight where the weight is placed.
+    targeted = [leaf for p, leaf in leaves if jax.tree_util.keystr(p) in picked]
+    specs = tuple(
+        (
+            tuple(w.shape[:-2]),
+            w.shape[-2],
+            w.shape[-1],
+            jnp.dtype(w.dtype if dtype is None else dtype),
+        )
+        for w in targeted
+    )
+    placed = [factor_shardings(w) for w in targeted]
+    make = functools.partial(_factors, specs=specs, rank=rank)
+    if all(p is not None for p in placed):
+        made = jax.jit(make, out_shardings=tuple(placed))(jr.split(key, len(targeted)))
+    elif any(p is not None for p in placed):
+        # Some placed and some not: each where its weight is.
+        made = [
+            jax.jit(functools.partial(_factors, specs=(spec,), rank=rank), out_shardings=(p,))(
+                k[None]
+            )[0]
+            if p is not None
+            else _FACTORS(k[None], specs=(spec,), rank=rank)[0]
+            for spec, p, k in zip(specs, placed, jr.split(key, len(targeted)), strict=True)
+        ]
+    else:
+        made = _FACTORS(jr.split(key, len(targeted)), specs=specs, rank=rank)
+    made = iter(made)
 
     def adapt(path, leaf):
         if jax.tree_util.keystr(path) not in picked:
             return leaf
-        *lead, out, inner = leaf.shape
-        d = leaf.dtype if dtype is None else jnp.dtype(dtype)
-
-        def factors(k):
-            a = (jr.normal(k, (*lead, rank, inner), jnp.float32) / rank).astype(d)
-            return a, jnp.zeros((*lead, out, rank), d)
-
-        placed = factor_shardings(leaf)
-        a, b = (
-            factors(next(keys))
-            if placed is None
-            else jax.jit(factors, out_shardings=placed)(next(keys))
-        )
+        a, b = next(made)
         return LoraWeight(leaf, a, b, scale)
 
     return jax.tree_util.tree_map_with_path(adapt, model, is_leaf=is_weight)
+
+
+def _factors(keys, specs, rank):
+    # Per weight [*lead, out, in]: A ~ N(0, 1/r^2) [*lead, r, in] in float32 then the
+    # adapter's dtype, B zeros [*lead, out, r].
+    return tuple(
+        (
+            (jr.normal(k, (*lead, rank, inner), jnp.float32) / rank).astype(d),
+            jnp.zeros((*lead, out, rank), d),
+        )
+        for k, (lead, out, inner, d) in zip(keys, specs, strict=True)
+    )
+
+
+_FACTORS = jax.jit(_factors, static_argnames=("specs", "rank"))
 
 
 def factor_shardings(weight: Any) -> tuple[NamedSharding, NamedSharding] | None:

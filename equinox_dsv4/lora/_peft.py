@@ -392,7 +392,8 @@ def _with_factors(model: M, factors: dict, dtype: Any, source: str) -> M:
         a_full, b_full = a_full.astype(d), b_full.astype(d)
         placed = factor_shardings(leaf)
         if placed is None:
-            return LoraWeight(leaf, jnp.asarray(a_full), jnp.asarray(b_full), scale)
+            # device_put, not jnp.asarray: the latter compiles a copy program per shape.
+            return LoraWeight(leaf, jax.device_put(a_full), jax.device_put(b_full), scale)
         # Each device takes its slice of the host copy (every process holds the same file).
         a, b = (
             jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])

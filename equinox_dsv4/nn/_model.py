@@ -1,6 +1,9 @@
 """The DeepSeek-V4 model: embedding, `hc_mult` residual streams, the planned layer stack, the
 stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) blocks."""
 
+import functools
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -144,8 +147,15 @@ class DeepseekV4(eqx.Module):
         if rewind < 0:
             raise ValueError(f"rewind must be >= 0, got {rewind}")
         dtype = self.embed.weight.dtype if dtype is None else dtype
-        layers = tuple(layer.init_cache(batch, max_len, dtype, rewind) for layer in self.layers)
-        return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len, rewind)
+
+        def empty():
+            layers = tuple(layer.init_cache(batch, max_len, dtype, rewind) for layer in self.layers)
+            return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len, rewind)
+
+        # An empty cache is zeros throughout: its shapes from a trace, then every array in one
+        # program (kept per set of shapes), rather than a small program per array and shape.
+        leaves, treedef = jax.tree.flatten(jax.eval_shape(empty))
+        return jax.tree.unflatten(treedef, _zeros(tuple((x.shape, x.dtype) for x in leaves)))
 
     @typechecked
     def decode(
@@ -365,3 +375,8 @@ def _check_ids(ids: Array) -> None:
         )
     if ids.shape[1] == 0:
         raise ValueError("input_ids is empty (seq length 0)")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(specs: tuple[tuple[tuple[int, ...], Any], ...]) -> tuple[Array, ...]:
+    return tuple(jnp.zeros(shape, dtype) for shape, dtype in specs)

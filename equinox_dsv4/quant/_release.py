@@ -21,6 +21,11 @@ from .._typecheck import typechecked
 from ._weight import FP4, FP4_BLOCK, FP8, QuantizedWeight, quantize, scale_grid
 
 
+# One program per weight shape and format, kept across calls (a wrapper made per call would
+# trace and compile each again).
+_quantize_jit = eqx.filter_jit(quantize)
+
+
 # A model (`equinox_dsv4.DeepseekV4`): a module with a `config` whose weights sit at the
 # release's paths.
 M = TypeVar("M", bound=eqx.Module)
@@ -72,8 +77,7 @@ def quantize_model(model: M, block: tuple[int, int] | None = None) -> M:
     FP4. For models that did not come from a release checkpoint (benchmarks, own weights);
     `convert.load_hf(..., quantized=True)` keeps a release's own bytes instead."""
     fp8 = _fp8_block(model, block)
-    quantize_jit = eqx.filter_jit(quantize)
-    return _map_release(model, lambda w, fmt: quantize_jit(w, fmt, fp8))
+    return _map_release(model, lambda w, fmt: _quantize_jit(w, fmt, fp8))
 
 
 @typechecked

@@ -146,7 +146,10 @@ def dequantize_host(
     elif scale.dtype != np.uint8:
         scale = scale.astype(np.float32)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        weight = QuantizedWeight(jnp.asarray(values), jnp.asarray(scale), fmt, block, jnp.float32)
+        # device_put, not jnp.asarray: the latter compiles a copy program per shape.
+        weight = QuantizedWeight(
+            jax.device_put(values), jax.device_put(scale), fmt, block, jnp.float32
+        )
         return np.asarray(_dequantized(weight))
 
 
