@@ -152,10 +152,7 @@ class DeepseekV4(eqx.Module):
             layers = tuple(layer.init_cache(batch, max_len, dtype, rewind) for layer in self.layers)
             return KVCache(layers, jnp.zeros((batch,), jnp.int32), max_len, rewind)
 
-        # An empty cache is zeros throughout: its shapes from a trace, then every array in one
-        # program (kept per set of shapes), rather than a small program per array and shape.
-        leaves, treedef = jax.tree.flatten(jax.eval_shape(empty))
-        return jax.tree.unflatten(treedef, _zeros(tuple((x.shape, x.dtype) for x in leaves)))
+        return _zeros_like_trace(empty)
 
     @typechecked
     def decode(
@@ -276,7 +273,9 @@ class DeepseekV4(eqx.Module):
         """Empty caches of the MTP blocks, one per depth (arguments as for `init_cache`)."""
         _check_cache_shape(batch, max_len)
         dtype = self.embed.weight.dtype if dtype is None else dtype
-        return tuple(block.init_cache(batch, max_len, dtype, rewind) for block in self.mtp)
+        return _zeros_like_trace(
+            lambda: tuple(block.init_cache(batch, max_len, dtype, rewind) for block in self.mtp)
+        )
 
     @typechecked
     def mtp_decode(
@@ -375,6 +374,13 @@ def _check_ids(ids: Array) -> None:
         )
     if ids.shape[1] == 0:
         raise ValueError("input_ids is empty (seq length 0)")
+
+
+def _zeros_like_trace(empty: Any) -> Any:
+    # An empty cache is zeros throughout: its shapes from a trace of `empty`, then every array
+    # in one program (kept per set of shapes), rather than a small program per array and shape.
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(empty))
+    return jax.tree.unflatten(treedef, _zeros(tuple((x.shape, x.dtype) for x in leaves)))
 
 
 @functools.partial(jax.jit, static_argnums=0)
