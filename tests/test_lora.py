@@ -78,6 +78,17 @@ def test_adding_adapters_is_one_program(small):
     assert len(lowered()) - start == 0, lowered()[start:]
     for a, b in zip(adapted_weights(first), adapted_weights(again), strict=True):
         assert a.a.shape[-2] == 7 and np.array_equal(a.a, b.a) and not np.any(b.b)
+    # On a mesh: one program placing every factor beside its weight, kept too.
+    sharded = ed.shard(model, ed.make_mesh(fsdp=4, expert=2))
+    start = len(lowered())
+    placed = ed.lora.add(sharded, rank=7, key=jax.random.key(1))
+    assert len(lowered()) - start <= 1, lowered()[start:]
+    ed.lora.add(sharded, rank=7, key=jax.random.key(1))
+    assert len(lowered()) - start <= 1, lowered()[start:]
+    for a, b in zip(adapted_weights(first), adapted_weights(placed), strict=True):
+        assert np.array_equal(a.a, b.a)
+        a_spec, b_spec = ed.quant.factor_specs(b.base.sharding.spec, b.base.ndim)
+        assert b.a.sharding.spec == a_spec and b.b.sharding.spec == b_spec
 
 
 def test_adapted_model_equals_merged(small):

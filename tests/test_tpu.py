@@ -237,13 +237,13 @@ def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
     out = tmp_path / "train.json"
     args = ["--model", "tiny", "--topology", "v5p:2x2x1", "--mesh", "fsdp=2,expert=2"]
     args += ["--train", "--seq-len", "64", "--batch", "4", "--micro-batches", "2"]
-    args += ["--layers", "3", "--unrolled", "--json", str(out)]
+    args += ["--layers", "2", "--unrolled", "--json", str(out)]
     assert compile_cli.main(args) == 0
     report = json.loads(out.read_text())
     assert list(report["phases"]) == ["train"] and report["micro_batches"] == 2
-    assert report["layers"] == 3 and report["peak"]["chip"] == "v5p"
+    assert report["layers"] == 2 and report["peak"]["chip"] == "v5p"
     train = report["phases"]["train"]
-    config = ed.Config.tiny(num_nextn_predict_layers=0).first_layers(3)
+    config = ed.Config.tiny(num_nextn_predict_layers=0).first_layers(2)
     assert train["useful_flops"] == ed.train.train_flops(config, 64) * 4 / 4
     assert 0 < train["mfu_estimate"] <= 1 and train["estimate_seconds"] > 0
     # Parameters and Adam's two moments (in the parameters' dtype) split as the parameters

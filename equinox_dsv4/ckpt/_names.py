@@ -156,8 +156,10 @@ def _pieces(model: DeepseekV4) -> Iterator[tuple[str, jax.Array]]:
                 layer = seg.layer(int(m[2]), repeat)
                 if isinstance(leaf, jax.ShapeDtypeStruct):
                     piece = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-                else:
+                elif isinstance(leaf, np.ndarray):
                     piece = leaf[repeat]
+                else:
+                    piece = _repeat_of(leaf, repeat)
                 yield f"layers.{layer}.{_block_rest(m[3])}", piece
         elif m := re.fullmatch(r"\.dspark\.stages\[(\d+)\](.+)", key):
             yield f"mtp.{m[1]}.{_block_rest(m[2])}", leaf
@@ -270,3 +272,9 @@ def fill(skeleton: DeepseekV4, tensors: Iterable[tuple[str, np.ndarray]]) -> Dee
         )
     # device_put, not jnp.asarray: the latter compiles a copy program per shape.
     return jax.tree_util.tree_unflatten(treedef, [jax.device_put(b) for b in buffers])
+
+
+@jax.jit
+def _repeat_of(stack: jax.Array, repeat: int | jax.Array) -> jax.Array:
+    # One program per stack shape for every repeat (eager indexing compiles two per shape).
+    return stack[repeat]

@@ -117,15 +117,12 @@ def add(
         for w in targeted
     )
     placed = [factor_shardings(w) for w in targeted]
-    make = functools.partial(_factors, specs=specs, rank=rank)
     if all(p is not None for p in placed):
-        made = jax.jit(make, out_shardings=tuple(placed))(jr.split(key, len(targeted)))
+        made = _placed_factors(specs, rank, tuple(placed))(jr.split(key, len(targeted)))
     elif any(p is not None for p in placed):
         # Some placed and some not: each where its weight is.
         made = [
-            jax.jit(functools.partial(_factors, specs=(spec,), rank=rank), out_shardings=(p,))(
-                k[None]
-            )[0]
+            _placed_factors((spec,), rank, (p,))(k[None])[0]
             if p is not None
             else _FACTORS(k[None], specs=(spec,), rank=rank)[0]
             for spec, p, k in zip(specs, placed, jr.split(key, len(targeted)), strict=True)
@@ -156,6 +153,12 @@ def _factors(keys, specs, rank):
 
 
 _FACTORS = jax.jit(_factors, static_argnames=("specs", "rank"))
+
+
+@functools.lru_cache(maxsize=64)
+def _placed_factors(specs, rank, placed):
+    # `_factors` with each pair placed; kept per shapes and placements, as `_FACTORS` is.
+    return jax.jit(functools.partial(_factors, specs=specs, rank=rank), out_shardings=placed)
 
 
 def factor_shardings(weight: Any) -> tuple[NamedSharding, NamedSharding] | None:
