@@ -44,6 +44,15 @@ def assert_close(actual, expected, tol: dict = COMPONENT, err_msg: str = "") -> 
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), err_msg=err_msg, **tol)
 
 
+def on_device(value, dtype) -> "jax.Array":
+    """`jnp.asarray(value, dtype)` with the cast made on the host (float64 narrowed to float32
+    first, as JAX does): `jnp.asarray` compiles a conversion or copy program per shape."""
+    value = np.asarray(value)
+    if value.dtype == np.float64:
+        value = value.astype(np.float32)
+    return jax.device_put(value.astype(dtype))
+
+
 def random_adapters(model, seed: int, scale: float = 0.3):
     """`model` with every LoRA adapter's `A` and `B` random (a fresh `B` is zero, which would
     leave nothing to compare)."""
@@ -53,16 +62,12 @@ def random_adapters(model, seed: int, scale: float = 0.3):
 
     rng = np.random.default_rng(seed)
 
-    def host(x, dtype):
-        # Cast on the host and put (jnp.asarray compiles a conversion per shape).
-        return jax.device_put(x.astype(np.float32).astype(dtype))
-
     def fill(w):
         if not isinstance(w, ed.lora.LoraWeight):
             return w
         a = rng.standard_normal(w.a.shape) / np.sqrt(w.a.shape[-1])
         b = scale * rng.standard_normal(w.b.shape) / np.sqrt(w.b.shape[-1])
-        return ed.lora.LoraWeight(w.base, host(a, w.a.dtype), host(b, w.b.dtype), w.scale)
+        return ed.lora.LoraWeight(w.base, on_device(a, w.a.dtype), on_device(b, w.b.dtype), w.scale)
 
     return jax.tree.map(fill, model, is_leaf=lambda x: isinstance(x, ed.lora.LoraWeight))
 

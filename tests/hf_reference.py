@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from helpers import on_device
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 import equinox_dsv4 as ed
@@ -147,11 +148,7 @@ def fill_paths(module, values: dict[str, np.ndarray]):
         assert key in values, f"no reference value for {key}"
         value = values.pop(key)
         assert value.shape == leaf.shape, (key, value.shape, leaf.shape)
-        # Cast on the host and put (jnp.asarray compiles a conversion or copy per shape).
-        value = np.asarray(value)
-        if value.dtype == np.float64:
-            value = value.astype(np.float32)  # as JAX narrows it, before any further cast
-        new.append(jax.device_put(value.astype(leaf.dtype)))
+        new.append(on_device(value, leaf.dtype))
     assert not values, f"unused reference values: {sorted(values)}"
     return jax.tree_util.tree_unflatten(treedef, new)
 

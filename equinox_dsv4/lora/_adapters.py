@@ -117,18 +117,19 @@ def add(
         for w in targeted
     )
     placed = [factor_shardings(w) for w in targeted]
+    keys = jr.split(key, len(targeted))
     if all(p is not None for p in placed):
-        made = _placed_factors(specs, rank, tuple(placed))(jr.split(key, len(targeted)))
+        made = _placed_factors(specs, rank, tuple(placed))(keys)
     elif any(p is not None for p in placed):
         # Some placed and some not: each where its weight is.
         made = [
             _placed_factors((spec,), rank, (p,))(k[None])[0]
             if p is not None
             else _FACTORS(k[None], specs=(spec,), rank=rank)[0]
-            for spec, p, k in zip(specs, placed, jr.split(key, len(targeted)), strict=True)
+            for spec, p, k in zip(specs, placed, keys, strict=True)
         ]
     else:
-        made = _FACTORS(jr.split(key, len(targeted)), specs=specs, rank=rank)
+        made = _FACTORS(keys, specs=specs, rank=rank)
     made = iter(made)
 
     def adapt(path, leaf):
