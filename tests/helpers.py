@@ -281,3 +281,33 @@ def lowered() -> list[str]:
 def _count_lowering(event: str, _seconds: float, **kwargs) -> None:
     if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
         _LOWERED.append(str(kwargs.get("fun_name")))
+
+
+# The collectives of an XLA program, as its optimised HLO names them.
+_COLLECTIVE = re.compile(
+    r"\b(all-to-all|all-gather|all-reduce|collective-permute|reduce-scatter)\("
+)
+
+
+@contextlib.contextmanager
+def compiled_collectives():
+    """Inside the block, a list of `(program name, its collectives)` for each program this
+    process compiles (or reads from the persistent cache), from its partitioned HLO: what it
+    sends between devices, which the StableHLO that JAX lowers to does not yet say."""
+    from jax._src import compiler
+
+    seen: list[tuple[str, set[str]]] = []
+    compile_or_get_cached = compiler.compile_or_get_cached
+
+    def recording(backend, computation, *args, **kwargs):
+        executable = compile_or_get_cached(backend, computation, *args, **kwargs)
+        text = "\n".join(m.to_string() for m in executable.hlo_modules())
+        name = str(computation.operation.attributes["sym_name"]).strip('"')
+        seen.append((name, set(_COLLECTIVE.findall(text))))
+        return executable
+
+    compiler.compile_or_get_cached = recording
+    try:
+        yield seen
+    finally:
+        compiler.compile_or_get_cached = compile_or_get_cached

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import COMPONENT, LOGITS, run_main, run_python, succeeded
+from helpers import COMPONENT, LOGITS, compiled_collectives, run_main, run_python, succeeded
 from hf_reference import C, H, S, reference_logits, reference_model, tiny_config
 from jax.sharding import NamedSharding, PartitionSpec as P
 from release_layout import hf_state_from_canonical, write_release_checkpoint
@@ -245,6 +245,20 @@ def test_convert_then_load_is_bit_exact(release, tmp_path):
     assert loaded.config.numerics == direct.config.numerics == "release"
     assert loaded.layers[0].blocks[0].attn.wq_a.weight.dtype == jnp.bfloat16
     assert loaded.layers[0].blocks[0].attn.attn_sink.dtype == jnp.float32
+    # On the README's mesh: each routed expert's pieces split over `fsdp`, their stack over
+    # `expert`. Each device stacks its own experts' pieces: no program of the load sends
+    # anything between devices. (Partitioned whole, the stacking took several independent
+    # all-to-alls, which XLA:CPU's devices could enter in different orders and then wait on
+    # each other for ever.)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with compiled_collectives() as programs:
+        sharded = ed.load(out, mesh=mesh)
+    assert programs and not [p for p in programs if p[1]], programs
+    assert sharded.layers[-1].blocks[-1].ffn.experts.w1.sharding.spec == P(
+        None, "expert", "fsdp", None
+    )
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_save_load_round_trip_and_sharded_load(tmp_path, hf_saved):

@@ -327,7 +327,7 @@ def load(
             if len(pieces) == 1 and not by_leaf[i][0].index:
                 out[i] = jax.device_put(pieces[0], leaf_shardings[i])
             else:
-                out[i] = _stack(leaves[i].shape, leaf_shardings[i])(*pieces)
+                out[i] = _stack(leaves[i].shape, pieces[0].ndim, leaf_shardings[i])(*pieces)
 
     batch: list[int] = []
     size = 0
@@ -343,7 +343,39 @@ def load(
 
 
 @functools.lru_cache(maxsize=256)
-def _stack(shape: tuple[int, ...], sharding: Any):
+def _stack(shape: tuple[int, ...], piece_ndim: int, sharding: Any):
     # One program per stacked shape and placement, kept: a model's stacked layers share a few
     # shapes, and loading the same model again compiles none.
-    return jax.jit(lambda *pieces: jnp.stack(pieces).reshape(shape), out_shardings=sharding)
+    lead = len(shape) - piece_ndim
+    spec = (*sharding.spec, *(None,) * len(shape)) if isinstance(sharding, NamedSharding) else ()
+    axes = [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec[:lead]]
+    splits = [int(np.prod([sharding.mesh.shape[a] for a in names])) for names in axes]
+    if not any(axes) or any(n % k for n, k in zip(shape[:lead], splits, strict=True)):
+        return jax.jit(lambda *pieces: jnp.stack(pieces).reshape(shape), out_shardings=sharding)
+    mesh = sharding.mesh
+
+    # Each piece comes split as the stack's trailing dimensions are and whole along the mesh
+    # axes that split the stack's leading ones, so every device stacks the pieces of its own
+    # block of the leading dimensions from what it holds. Stacked by the partitioner instead,
+    # the program moves the pieces between devices in several independent all-to-alls, which
+    # XLA:CPU's devices may enter in different orders and then wait for each other for ever.
+    def local(*pieces):
+        stacked = jnp.stack(pieces).reshape(shape[:lead] + pieces[0].shape)
+        starts, sizes = [], []
+        for names, size, k in zip(axes, shape[:lead], splits, strict=True):
+            block = jnp.int32(0)
+            for a in names:  # the first axis of a dimension's tuple is the major one
+                block = block * mesh.shape[a] + jax.lax.axis_index(a)
+            starts.append(block * (size // k))
+            sizes.append(size // k)
+        zeros = [jnp.int32(0)] * piece_ndim
+        return jax.lax.dynamic_slice(stacked, starts + zeros, sizes + list(pieces[0].shape))
+
+    piece = PartitionSpec(*spec[lead : len(shape)])
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=piece,
+        out_specs=PartitionSpec(*spec[: len(shape)]),
+    )
+    return jax.jit(mapped, out_shardings=sharding)
