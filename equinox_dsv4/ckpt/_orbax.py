@@ -352,29 +352,28 @@ def _stack(shape: tuple[int, ...], piece_ndim: int, sharding: Any):
     splits = [int(np.prod([sharding.mesh.shape[a] for a in names])) for names in axes]
     if not any(axes) or any(n % k for n, k in zip(shape[:lead], splits, strict=True)):
         return jax.jit(lambda *pieces: jnp.stack(pieces).reshape(shape), out_shardings=sharding)
-    mesh = sharding.mesh
 
     # Each piece comes split as the stack's trailing dimensions are and whole along the mesh
     # axes that split the stack's leading ones, so every device stacks the pieces of its own
     # block of the leading dimensions from what it holds. Stacked by the partitioner instead,
     # the program moves the pieces between devices in several independent all-to-alls, which
     # XLA:CPU's devices may enter in different orders and then wait for each other for ever.
+    blocks = [n // k for n, k in zip(shape[:lead], splits, strict=True)]
+
     def local(*pieces):
         stacked = jnp.stack(pieces).reshape(shape[:lead] + pieces[0].shape)
-        starts, sizes = [], []
-        for names, size, k in zip(axes, shape[:lead], splits, strict=True):
-            block = jnp.int32(0)
-            for a in names:  # the first axis of a dimension's tuple is the major one
-                block = block * mesh.shape[a] + jax.lax.axis_index(a)
-            starts.append(block * (size // k))
-            sizes.append(size // k)
-        zeros = [jnp.int32(0)] * piece_ndim
-        return jax.lax.dynamic_slice(stacked, starts + zeros, sizes + list(pieces[0].shape))
+        # A dimension split over several axes: `axis_index` of the tuple, major axis first.
+        starts = [
+            jax.lax.axis_index(names) * n if names else 0
+            for names, n in zip(axes, blocks, strict=True)
+        ]
+        zeros = [0] * piece_ndim
+        return jax.lax.dynamic_slice(stacked, starts + zeros, blocks + list(pieces[0].shape))
 
     piece = PartitionSpec(*spec[lead : len(shape)])
     mapped = jax.shard_map(
         local,
-        mesh=mesh,
+        mesh=sharding.mesh,
         in_specs=piece,
         out_specs=PartitionSpec(*spec[: len(shape)]),
     )
