@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import COMPONENT
 from hf_reference import C, H, S, our_model, reference_model, tiny_config
 from release_numerics import (
     SCORES,
@@ -95,6 +94,26 @@ def _no_cache_logits(model, ids):
     return out.logits.numpy()
 
 
+def _assert_equal_up_to_rounding_flips(got: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """Logits `(batch, length, vocab)` computed in float32 in two different orders: equal to
+    float32 rounding, except where a value within a few ulps of an FP8/FP4 rounding boundary
+    rounded to the neighbouring code on one side. That is one element one code apart (1/16 of
+    it in e4m3), which moves that token's logits by up to a few 1e-2 (seen: 2.9e-2), and later
+    tokens' a little. Which values land that close depends on the order, so on the compiled
+    programs and on the CPU they were compiled for (seen: a prefill position that agreed with
+    the full forward on one host and flipped on another, same commit and packages); at most
+    two such positions."""
+    per_position = np.abs(got - expected).max(axis=-1)
+    flipped = per_position > 1e-4
+    print(
+        f"{what}: {flipped.sum()} of {flipped.size} positions differ by more than 1e-4 (up to "
+        f"{per_position.max():.2e}); elsewhere up to {per_position[~flipped].max():.2e}."
+    )
+    assert flipped.sum() <= 2, per_position
+    assert per_position.max() < 0.1, per_position
+    assert per_position[~flipped].max() < 1e-5, per_position
+
+
 def test_release_logits_match_the_patched_reference(models):
     reference, ours = models
     SCORES.clear()
@@ -103,22 +122,9 @@ def test_release_logits_match_the_patched_reference(models):
     exact = _no_cache_logits(reference, IDS)
     got = np.asarray(eqx.filter_jit(lambda m, i: m(i))(ours, jnp.asarray(IDS, jnp.int32)))
     assert not any(top_k_ties(scores, CONFIG.index_topk) for scores in SCORES)
-    per_position = np.abs(got - expected).max(axis=-1)
-    flipped = per_position > 1e-4
     moved = np.abs(exact - expected).max()
-    print(
-        f"release vs patched reference: {flipped.sum()} of {flipped.size} positions differ by "
-        f"more than 1e-4 (up to {per_position.max():.2e}); elsewhere up to "
-        f"{per_position[~flipped].max():.2e}. The round trips moved the logits by up to "
-        f"{moved:.2e}."
-    )
-    # Both sides compute in float32 but not in the same order, so a value within a few ulps
-    # of an FP8/FP4 rounding boundary can round to neighbouring codes: one element one code
-    # apart (1/16 of it in e4m3), which moves that token's logits, and later tokens' a little.
-    # One such position here (seen: 2.9e-2 there); everywhere else float32 agreement.
-    assert flipped.sum() <= 2
-    assert per_position.max() < 0.1
-    assert per_position[~flipped].max() < 1e-5
+    print(f"The round trips moved the reference's logits by up to {moved:.2e}.")
+    _assert_equal_up_to_rounding_flips(got, expected, "release vs patched reference")
 
 
 def test_release_decode_equals_its_forward(models):
@@ -128,10 +134,12 @@ def test_release_decode_equals_its_forward(models):
     step = eqx.filter_jit(lambda m, i, c: m.decode(i, c))
     cache = ours.init_cache(2, 64)
     logits, cache = step(ours, ids[:, :29], cache)
-    np.testing.assert_allclose(logits, full[:, :29], **COMPONENT)
+    got = [logits]
     for t in range(29, 33):
         logits, cache = step(ours, ids[:, t : t + 1], cache)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], **COMPONENT)
+        got.append(logits)
+    got = np.concatenate([np.asarray(g) for g in got], axis=1)
+    _assert_equal_up_to_rounding_flips(got, full[:, :33], "decode vs full forward")
 
 
 def test_numerics_is_a_validated_config_field():
