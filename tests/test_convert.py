@@ -222,7 +222,7 @@ def test_sharded_load_on_eight_devices(release):
     ):
         assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec == spec
     w1 = sharded.layers[3].blocks[0].ffn.experts.w1
-    assert w1.sharding.spec == P(None, "expert", "fsdp", None)  # [1, experts, inter, d_model]
+    assert w1.sharding.spec == P(None, "expert", "fsdp")  # [1, experts, inter, d_model]
     assert w1.addressable_shards[0].data.shape == (1, 2, 8, 32)
     single = convert.load_hf(path, numerics="exact")
     np.testing.assert_allclose(logits(sharded), logits(single), **COMPONENT)
@@ -254,9 +254,7 @@ def test_convert_then_load_is_bit_exact(release, tmp_path):
     with compiled_collectives() as programs:
         sharded = ed.load(out, mesh=mesh)
     assert programs and not [p for p in programs if p[1]], programs
-    assert sharded.layers[-1].blocks[-1].ffn.experts.w1.sharding.spec == P(
-        None, "expert", "fsdp", None
-    )
+    assert sharded.layers[-1].blocks[-1].ffn.experts.w1.sharding.spec == P(None, "expert", "fsdp")
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -269,7 +267,7 @@ def test_save_load_round_trip_and_sharded_load(tmp_path, hf_saved):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     sharded = ed.load(tmp_path / "saved", mesh=mesh)
-    assert sharded.layers[4].blocks[0].ffn.experts.w3.sharding.spec == P(None, "expert", None, None)
+    assert sharded.layers[4].blocks[0].ffn.experts.w3.sharding.spec == P(None, "expert")
     for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(FileExistsError):

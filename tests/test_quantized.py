@@ -230,14 +230,15 @@ def test_sharded_quantized_load_splits_whole_blocks(release, models):
         (None, "embed", "groups_x_rank"), wo_b.shape, mesh
     )
     assert dense_spec[2] == "tensor"  # a dense weight splits its 16 inputs two ways...
-    assert wo_b.values.sharding.spec[2] is None  # ...which would cut its 32-wide blocks
+    # ...which would cut its 32-wide blocks (a spec leaves out its unsplit trailing dims).
+    assert (*wo_b.values.sharding.spec, None, None, None)[2] is None
     # FP4 experts split in multiples of 32 along both dims, so that w1, w2 and w3 (blocks
     # along different dims) split alike: 64 hidden units two ways.
     w1, w2 = (
         sharded.layers[1].blocks[0].ffn.experts.w1,
         sharded.layers[1].blocks[0].ffn.experts.w2,
     )
-    assert w1.values.sharding.spec[1:3] == ("expert", ("tensor", "fsdp"))  # fsdp has size 1
+    assert w1.values.sharding.spec[1:3] == ("expert", "tensor")  # fsdp: size 1, no split
     assert w2.values.sharding.spec[1] == "expert" and w2.values.sharding.spec[3] == "tensor"
     with jax.set_mesh(mesh):
         logits = forward(sharded, IDS)

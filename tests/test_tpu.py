@@ -109,7 +109,7 @@ def test_tpu_meshes_split_dense_weights_over_expert(tpu_mesh):
     assert ed.parallel.ShardingRules.for_mesh(cpu).changes() == {}
     model = eqx.filter_eval_shape(ed.DeepseekV4, CONFIG, key=jax.random.key(0))
     (_, stack) = ed.parallel.partition_specs(model, tpu).layers
-    assert stack.blocks[0].attn.wq_a.weight == P(None, None, ("fsdp", "expert"))  # fsdp: 1
+    assert stack.blocks[0].attn.wq_a.weight == P(None, None, "expert")  # fsdp (size 1) left out
 
 
 def test_default_placement_is_near_the_perfect_split(tpu_mesh):

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 import torch
-from helpers import ROOT, run_main, succeeded
+from helpers import ROOT, compiled_collectives, run_main, succeeded
 from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
 
 import equinox_dsv4 as ed
@@ -349,6 +349,16 @@ def test_micro_batches_on_a_data_fsdp_expert_mesh_equal_one_pass_on_one_device(o
         strict=True,
     ):
         np.testing.assert_allclose(b, a, atol=1e-6, rtol=1e-5)
+    # The new state comes back placed as the given one (moments beside their parameters), so
+    # the next step is the same program: nothing is compiled for it.
+    placed = jax.tree.leaves(eqx.filter(acc, eqx.is_array))
+    given = jax.tree.leaves(
+        eqx.filter(ed.init_train_state(ed.shard(model, mesh), opt), eqx.is_array)
+    )
+    assert [x.sharding for x in placed] == [x.sharding for x in given]
+    with jax.set_mesh(mesh), compiled_collectives() as compiled:
+        jax.block_until_ready(step(acc, batch))
+    assert not compiled, [name for name, _ in compiled]
     with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
         ed.make_train_step(opt, micro_batches=3)(ed.init_train_state(model, opt), batch)
 
@@ -365,8 +375,10 @@ def test_abstract_train_state_places_moments_like_parameters():
     )
     state = ed.train.abstract_train_state(placed, opt)
     real = ed.init_train_state(ed.shard(random_fill(model, seed=1), mesh), opt)
-    ours = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
-    assert ours == [(x.shape, x.dtype) for x in jax.tree.leaves(real)]
+    # `init_train_state` places the state as this one says: each moment beside its parameter
+    # (left to XLA, a state of zeros would be made whole on one device).
+    ours = [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+    assert ours == [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(real)]
     params = eqx.filter(placed, eqx.filter_eval_shape(ed.train.trainable, placed))
     by_param = jax.tree.leaves(params)
 

@@ -130,7 +130,9 @@ class ShardingRules:
             chosen: list[str] = []
             for axis in free:
                 parts = mesh.shape.get(axis, 0) * math.prod(mesh.shape[c] for c in chosen)
-                if axis in mesh.shape and size % (parts * block) == 0:
+                if mesh.shape.get(axis, 1) == 1:
+                    continue  # absent, or a split over one device: no split
+                if size % (parts * block) == 0:
                     chosen.append(axis)
                 elif isinstance(want, str):
                     break
@@ -142,6 +144,11 @@ class ShardingRules:
             raise ValueError(
                 f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
             )
+        # Trailing unsplit dims left out: the form jit gives its outputs' shardings, so that a
+        # step's outputs, fed back, are placed as its inputs were (an equal but differently
+        # written spec compiles the step again).
+        while entries and entries[-1] is None:
+            entries.pop()
         return PartitionSpec(*entries)
 
 

@@ -79,8 +79,29 @@ def init_train_state(
     to `make_train_step` (default `train.trainable`: a model with adapters trains only them)."""
     choose = trainable or functools.partial(default_trainable, drafter_only=drafter_only)
     params = eqx.filter(model, choose(model))
+    init = optimizer.init
+    mesh = _mesh_of(model)
+    if mesh is not None:
+        # Created where `abstract_train_state` places them (the moments beside their
+        # parameters): left to XLA, a state made of zeros lands whole on one device.
+        placed = jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if eqx.is_array(x)
+                else x
+            ),
+            model,
+        )
+        target = abstract_train_state(
+            placed, optimizer, drafter_only=drafter_only, trainable=choose
+        )
+        shardings = jax.tree.map(lambda x: x.sharding, target.opt_state)
+
+        def init(params: Any) -> Any:
+            return eqx.filter_shard(optimizer.init(params), shardings)
+
     with jax.numpy_dtype_promotion("standard"):
-        opt_state = eqx.filter_jit(optimizer.init)(params)
+        opt_state = eqx.filter_jit(init)(params)
     state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
     weight = model.embed.weight
     if isinstance(weight, jax.core.Tracer) or not isinstance(weight, jax.Array):
@@ -93,6 +114,19 @@ def init_train_state(
         step_sharding = NamedSharding(step_sharding.mesh, PartitionSpec())
     state = eqx.tree_at(lambda s: s.step, state, jax.device_put(state.step, step_sharding))
     return committed(state)
+
+
+def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+    # The mesh every array leaf of `tree` is placed on (concrete arrays, each a
+    # `NamedSharding` on that one mesh); `None` otherwise (one device, several meshes, traced
+    # or abstract leaves).
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    if not leaves or any(
+        isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves
+    ):
+        return None
+    meshes = {x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None for x in leaves}
+    return meshes.pop() if len(meshes) == 1 else None
 
 
 @typechecked
@@ -304,10 +338,23 @@ class TrainStep:
     def __init__(self, step: Callable[[Batch, TrainState, Policy], Any], donate: bool):
         # The batch goes first so that "all-except-first" donates exactly the state.
         self._step, self._donate = step, donate
-        self._jitted = eqx.filter_jit(step, donate="all-except-first" if donate else "none")
+
+        def placed_step(batch: Batch, state: TrainState, policy: Policy, placement: Any) -> Any:
+            new, metrics = step(batch, state, policy)
+            if placement is not None:
+                new = eqx.filter_shard(new, placement)
+            return new, metrics
+
+        self._jitted = eqx.filter_jit(placed_step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        return self._jitted(batch, state, state.model.resolved_policy())
+        placement = None
+        if _mesh_of(state) is not None:
+            # The new state placed as the given one: fed back, it is the same argument to jit
+            # (left to XLA, some leaves come back placed otherwise and the next step compiles
+            # again).
+            placement = jax.tree.map(lambda x: x.sharding, eqx.filter(state, eqx.is_array))
+        return self._jitted(batch, state, state.model.resolved_policy(), placement)
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         def is_leaf(x: Any) -> bool:
