@@ -80,8 +80,8 @@ def init_train_state(
     choose = trainable or functools.partial(default_trainable, drafter_only=drafter_only)
     params = eqx.filter(model, choose(model))
     init = optimizer.init
-    mesh = _mesh_of(model)
-    if mesh is not None:
+    weight = model.embed.weight
+    if isinstance(weight, jax.Array) and _mesh_of(model) is not None:  # arrays, not shapes
         # Created where `abstract_train_state` places them (the moments beside their
         # parameters): left to XLA, a state made of zeros lands whole on one device.
         placed = jax.tree.map(
@@ -103,7 +103,6 @@ def init_train_state(
     with jax.numpy_dtype_promotion("standard"):
         opt_state = eqx.filter_jit(init)(params)
     state = TrainState(model, opt_state, jnp.zeros((), jnp.int32))
-    weight = model.embed.weight
     if isinstance(weight, jax.core.Tracer) or not isinstance(weight, jax.Array):
         return state  # traced or abstract: placement is the caller's
     # Every leaf committed to where it lives, as a restored state's are, so that a fresh state
@@ -116,17 +115,29 @@ def init_train_state(
     return committed(state)
 
 
+def _is_placed_leaf(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _mesh_of(tree: Any) -> jax.sharding.Mesh | None:
-    # The mesh every array leaf of `tree` is placed on (concrete arrays, each a
-    # `NamedSharding` on that one mesh); `None` otherwise (one device, several meshes, traced
-    # or abstract leaves).
-    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
-    if not leaves or any(
-        isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves
-    ):
+    # The mesh every array leaf of `tree` is placed on (arrays, or `ShapeDtypeStruct`s with
+    # shardings, each a `NamedSharding` on that one mesh); `None` otherwise (one device,
+    # several meshes, traced or unplaced leaves).
+    leaves = jax.tree.leaves(eqx.filter(tree, _is_placed_leaf))
+    if not leaves or any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
     meshes = {x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None for x in leaves}
     return meshes.pop() if len(meshes) == 1 else None
+
+
+def _placement(state: Any) -> Any:
+    # The shardings of a state placed on one mesh (else `None`): its step's new state is
+    # constrained to them, so that fed back it is the same argument to jit. Left to XLA, some
+    # leaves come back placed (or their specs written) otherwise, and the next step compiles
+    # again.
+    if _mesh_of(state) is None:
+        return None
+    return jax.tree.map(lambda x: x.sharding, eqx.filter(state, _is_placed_leaf))
 
 
 @typechecked
@@ -348,23 +359,18 @@ class TrainStep:
         self._jitted = eqx.filter_jit(placed_step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
-        placement = None
-        if _mesh_of(state) is not None:
-            # The new state placed as the given one: fed back, it is the same argument to jit
-            # (left to XLA, some leaves come back placed otherwise and the next step compiles
-            # again).
-            placement = jax.tree.map(lambda x: x.sharding, eqx.filter(state, eqx.is_array))
-        return self._jitted(batch, state, state.model.resolved_policy(), placement)
+        return self._jitted(batch, state, state.model.resolved_policy(), _placement(state))
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
-        def is_leaf(x: Any) -> bool:
-            return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-        (dynamic_batch, dynamic_state), static = eqx.partition((batch, state), is_leaf)
+        (dynamic_batch, dynamic_state), static = eqx.partition((batch, state), _is_placed_leaf)
         policy = state.model.resolved_policy()
+        placement = _placement(state)
 
         def step(dynamic_batch: Any, dynamic_state: Any) -> Any:
-            return self._step(*eqx.combine((dynamic_batch, dynamic_state), static), policy)
+            new, metrics = self._step(*eqx.combine((dynamic_batch, dynamic_state), static), policy)
+            if placement is not None:  # as a call on a mesh does
+                new = eqx.filter_shard(new, placement)
+            return new, metrics
 
         donate = (1,) if self._donate else ()
         return jax.jit(step, donate_argnums=donate).lower(dynamic_batch, dynamic_state)
