@@ -348,7 +348,7 @@ class TrainStep:
 
     def __init__(self, step: Callable[[Batch, TrainState, Policy], Any], donate: bool):
         # The batch goes first so that "all-except-first" donates exactly the state.
-        self._step, self._donate = step, donate
+        self._donate = donate
 
         def placed_step(batch: Batch, state: TrainState, policy: Policy, placement: Any) -> Any:
             new, metrics = step(batch, state, policy)
@@ -356,6 +356,7 @@ class TrainStep:
                 new = eqx.filter_shard(new, placement)
             return new, metrics
 
+        self._placed_step = placed_step
         self._jitted = eqx.filter_jit(placed_step, donate="all-except-first" if donate else "none")
 
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, Any]]:
@@ -367,10 +368,8 @@ class TrainStep:
         placement = _placement(state)
 
         def step(dynamic_batch: Any, dynamic_state: Any) -> Any:
-            new, metrics = self._step(*eqx.combine((dynamic_batch, dynamic_state), static), policy)
-            if placement is not None:  # as a call on a mesh does
-                new = eqx.filter_shard(new, placement)
-            return new, metrics
+            batch, state = eqx.combine((dynamic_batch, dynamic_state), static)
+            return self._placed_step(batch, state, policy, placement)  # the program a call runs
 
         donate = (1,) if self._donate else ()
         return jax.jit(step, donate_argnums=donate).lower(dynamic_batch, dynamic_state)
