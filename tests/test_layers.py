@@ -154,6 +154,22 @@ def test_map_chunks_matches_one_call(getkey):
         np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunks", [2, 4, 64])
+def test_map_chunks_in_parts_matches_one_call(getkey, chunks):
+    # Axis 1 in 4 parts of 11 (a sequence split over 4 devices), `chunks` entries of each part
+    # per step: the last step padded, every part's entries in every step, or no loop. Each
+    # output lands where its input was.
+    x = jax.random.normal(getkey(), (2, 44, 3))
+    y = jax.random.normal(getkey(), (2, 44, 3, 5))
+
+    def fn(x, y):
+        return jnp.tanh(jnp.einsum("bnk,bnkj->bnj", x, y)) + jnp.sum(x, axis=-1, keepdims=True)
+
+    np.testing.assert_allclose(map_chunks(fn, (x, y), chunks, 4), fn(x, y), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="3 parts do not divide axis 1 of size 44"):
+        map_chunks(fn, (x, y), chunks, 3)
+
+
 @pytest.mark.parametrize("first", [-np.inf, -2.5, 0.0, np.inf])
 def test_zeros_after_is_positive_zero(first):
     # Made from an element of its input (so that XLA schedules it after), but zeros all the

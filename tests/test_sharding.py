@@ -575,3 +575,41 @@ def test_vocabulary_split_equals_single_device():
         got = run(sharded, lambda c: ed.parallel.shard_cache(c, mesh))
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, **COMPONENT)
+
+
+@pytest.mark.parametrize("parts", [4, 1])
+def test_split_sequence_attends_on_each_device(parts):
+    # `Policy.split_chunks`: with a sequence split over `expert`, each device attends its own
+    # query blocks (`attend(..., parts)`, the chunked map in parts): 20 blocks of 8 queries in
+    # 4 parts, two steps of a device's blocks. Equal to one device, and nothing gathered; in
+    # chunks of the whole sequence (parts=1), each step's queries and outputs are gathered to
+    # every device.
+    b, t, h, k, w, m = 2, 160, 2, 16, 8, 12
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (b, t, h, k))
+    kv = jax.random.normal(keys[1], (b, t, k))
+    sinks = jax.random.normal(keys[2], (h,))
+    compressed = jax.random.normal(keys[3], (b, m, k))
+    mask = jax.random.bernoulli(keys[4], 0.5, (b, t, m))
+    want = ed.nn.attend(q, kv, sinks, w, compressed=compressed, compressed_mask=mask)
+    mesh = ed.make_mesh(fsdp=2, expert=4)
+    split = NamedSharding(mesh, P("fsdp", "expert"))
+
+    @jax.jit
+    def attend(q, kv, sinks, compressed, mask):
+        out = ed.nn.attend(
+            q, kv, sinks, w, compressed=compressed, compressed_mask=mask, parts=parts
+        )
+        return jax.lax.with_sharding_constraint(out, split)
+
+    args = (q, kv, sinks, compressed, mask)
+    args = tuple(jax.device_put(a, split if a.ndim > 1 and a.shape[1] == t else None) for a in args)
+    with jax.set_mesh(mesh):
+        got = attend(*args)
+        text = attend.lower(*args).compile().as_text()
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    # The single K=V head is gathered whole either way (each block's window reaches into the
+    # part before it); the queries (`[..., heads, head_dim]`) only by whole-sequence chunks.
+    gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)
+    queries = [g for g in gathers if g.endswith(f"{h},{k}")]
+    assert bool(queries) == (parts == 1), gathers

@@ -27,6 +27,7 @@ from ._mesh import (
     constrain_batch as constrain_batch,
     constrain_features as constrain_features,
     mesh_axis as mesh_axis,
+    sequence_parts as sequence_parts,
 )
 from ._policy import (
     Policy as Policy,
@@ -82,6 +83,7 @@ __all__ = [
     "batch_axes",
     "constrain_batch",
     "constrain_features",
+    "sequence_parts",
     "EMBED_AXES",
     "Q_LORA_AXES",
 ]

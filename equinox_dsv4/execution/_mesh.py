@@ -62,11 +62,19 @@ def constrain_batch(x: Array, policy: Policy | None = None) -> Array:
     axes = _stationary_axes(x.shape[0] * x.shape[1], x.shape[-1], policy)
     if axes:
         return jax.lax.with_sharding_constraint(x, P(*(None,) * (x.ndim - 1), axes))
-    seq, n = None, mesh_axis("expert")
-    if policy is not None and 0 < policy.split_chunks <= x.shape[1] and x.shape[1] % n == 0:
-        seq = "expert" if n > 1 else None
+    seq = "expert" if sequence_parts(x.shape[1], policy) > 1 else None
     spec = P(batch_axes(x.shape[0]), seq, *(None,) * (x.ndim - 2))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def sequence_parts(chunk: int, policy: Policy | None) -> int:
+    """How many parts a chunk of `chunk` tokens per sequence is split into along the sequence
+    at block boundaries (`constrain_batch`): the size of `expert` for a chunk of at least
+    `policy.split_chunks` tokens that it divides, else 1 (also without a mesh)."""
+    n = mesh_axis("expert")
+    if policy is not None and 0 < policy.split_chunks <= chunk and chunk % n == 0:
+        return n
+    return 1
 
 
 def constrain_features(

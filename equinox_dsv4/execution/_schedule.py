@@ -59,38 +59,71 @@ def _index_jvp(r, primals, tangents):
     return _index(a, i, r), tangents[0][r]
 
 
-def map_chunks(fn: Callable[..., Any], arrays: tuple[Array, ...], size: int) -> Any:
+def map_chunks(fn: Callable[..., Any], arrays: tuple[Array, ...], size: int, parts: int = 1) -> Any:
     """`fn(*arrays)` computed in chunks of `size` along axis 1 (one loop step each), for arrays
     `[batch, n, ...]`; `fn` must treat the entries along axis 1 independently and return arrays
     `[batch, size, ...]`. Bounds the memory of per-query intermediates (attention logits, index
     scores) on long chunks.
+
+    With `parts > 1` (dividing `n`), axis 1 is split over devices in `parts` contiguous parts
+    (`sequence_parts`): each step takes `size` entries of every part, so that each device
+    works on its own entries, and `size` bounds a device's share. Chunks of axis 1 as a whole
+    would be sliced out of a split axis: each device would gather every step's inputs and
+    outputs, and compute on entries that are not its own.
 
     Each step slices its chunk and writes its results in place, so nothing is transposed and
     the outputs are created once the inputs exist (`zeros_after`; `lax.map` starts from
     constants, which XLA:CPU creates at the start of the program).
     """
     n = arrays[0].shape[1]
+    if parts > 1:
+        if n % parts:
+            raise ValueError(f"map_chunks: {parts} parts do not divide axis 1 of size {n}")
+        split = tuple(a.reshape(a.shape[0], parts, n // parts, *a.shape[2:]) for a in arrays)
+
+        def joined(*xs):  # [b, parts, m, ...] -> fn on [b, parts * m, ...], split back
+            out = fn(*(x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:]) for x in xs))
+            return jax.tree.map(
+                lambda o: o.reshape(o.shape[0], parts, o.shape[1] // parts, *o.shape[2:]), out
+            )
+
+        out = _chunked(joined, split, size, axis=2)
+        return jax.tree.map(lambda o: o.reshape(o.shape[0], n, *o.shape[3:]), out)
+    return _chunked(fn, arrays, size, axis=1)
+
+
+def _chunked(fn: Callable[..., Any], arrays: tuple[Array, ...], size: int, axis: int) -> Any:
+    # `fn` over chunks of `size` along `axis` of `arrays`, in a loop writing in place.
+    n = arrays[0].shape[axis]
     if n <= size:
         return fn(*arrays)
     chunks = -(-n // size)
-    padded = tuple(
-        jnp.pad(a, ((0, 0), (0, chunks * size - n)) + ((0, 0),) * (a.ndim - 2)) for a in arrays
-    )
+
+    def pad(a):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, chunks * size - n)
+        return jnp.pad(a, widths)
+
+    padded = tuple(pad(a) for a in arrays)
 
     def chunk(i):
-        return fn(*(jax.lax.dynamic_slice_in_dim(a, i * size, size, axis=1) for a in padded))
+        return fn(*(jax.lax.dynamic_slice_in_dim(a, i * size, size, axis=axis) for a in padded))
 
     shapes = jax.eval_shape(chunk, 0)
-    out = jax.tree.map(
-        lambda s: zeros_after((s.shape[0], chunks * size, *s.shape[2:]), s.dtype, padded[0]), shapes
-    )
+
+    def buffer(s):
+        shape = list(s.shape)
+        shape[axis] = chunks * size
+        return zeros_after(tuple(shape), s.dtype, padded[0])
+
+    out = jax.tree.map(buffer, shapes)
 
     def step(i, out):
         return jax.tree.map(
-            lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r, i * size, axis=1),
+            lambda o, r: jax.lax.dynamic_update_slice_in_dim(o, r, i * size, axis=axis),
             out,
             chunk(i),
         )
 
     out = jax.lax.fori_loop(0, chunks, step, out)
-    return jax.tree.map(lambda a: a[:, :n], out)
+    return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, n, axis=axis), out)

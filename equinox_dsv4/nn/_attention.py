@@ -30,6 +30,7 @@ from ..execution import (
     map_chunks,
     policy_field,
     resolve,
+    sequence_parts,
     set_rows,
 )
 from ..quant import act_quant, kv_round_trip
@@ -66,6 +67,7 @@ def attend(
     compressed_mask: Bool[Array, "batch seq entries"] | None = None,
     compressed_picks: Int[Array, "batch seq topk"] | None = None,
     picked: Float[Array, "batch seq topk head_dim"] | None = None,
+    parts: int = 1,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of a chunk of queries over their sliding window, plus compressed
     entries, plus a per-head sink.
@@ -78,7 +80,9 @@ def attend(
     (`picked`: the entries at `max(compressed_picks, 0)`; `compressed` is then not needed).
 
     Long chunks are processed in blocks of `window` queries, each against `2 * window` keys,
-    so the cost is linear in the chunk length. Logits and softmax are float32; probabilities
+    so the cost is linear in the chunk length. `parts`: the chunk's sequence is split over
+    devices in this many contiguous parts (`sequence_parts`), each attended on its own device
+    when it holds whole blocks. Logits and softmax are float32; probabilities
     are cast to the value dtype for the value matmul, which accumulates in float32.
     """
     b, t, h, k = q.shape
@@ -160,7 +164,8 @@ def attend(
         return out / denom
 
     inputs = (qb, keys, valid, c_valid) + ((c_keys,) if c_keys is not None else ())
-    out = map_chunks(blocks, inputs, BLOCKS_PER_STEP)
+    parts = parts if t % (parts * bq) == 0 else 1  # whole blocks on each device
+    out = map_chunks(blocks, inputs, BLOCKS_PER_STEP, parts)
     return out.reshape(b, nb * bq, h, k)[:, :t].astype(q.dtype)
 
 
@@ -320,7 +325,10 @@ class Attention(eqx.Module):
                 entry = jnp.arange(compressed.shape[1], dtype=jnp.int32)
                 visible = visible_blocks(positions, self.compressor.ratio)
                 mask = entry[None, None, :] < visible[..., None]
-        o = attend(q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, picked)
+        parts = sequence_parts(t, self.policy)
+        o = attend(
+            q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, picked, parts
+        )
         out = self.project_out(self.rope(o, positions, inverse=True))
         return out, LayerCache(ring, compressor_state, indexer_state)
 

@@ -18,7 +18,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import Config
-from ..execution import map_chunks, wider_dtype
+from ..execution import Policy, map_chunks, policy_field, sequence_parts, wider_dtype
 from ..quant import RELEASE, act_quant, bf16_round, index_round_trip
 from ._cache import Chunk, CompressorState
 from ._compressor import CSACompressor
@@ -51,6 +51,7 @@ class LightningIndexer(eqx.Module):
     ratio: int = eqx.field(static=True)
     rope: RoPE = eqx.field(static=True)
     numerics: str = eqx.field(static=True)
+    policy: Policy | None = policy_field()
 
     def __init__(self, config: Config, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32):
         q_key, w_key, c_key = jr.split(key, 3)
@@ -73,6 +74,7 @@ class LightningIndexer(eqx.Module):
         )
         self.rope = RoPE.for_layer(config, compressed=True)
         self.numerics = config.numerics
+        self.policy = None
 
     def scores(
         self,
@@ -138,8 +140,10 @@ class LightningIndexer(eqx.Module):
             _, picked = jax.lax.top_k(scores, min(self.topk, keys.shape[1]))
             return jnp.where(picked < visible, picked, -1).astype(jnp.int32)
 
-        # In chunks of queries: the scores before the head sum are [queries, heads, keys].
-        return map_chunks(chunk, (x, qr, positions), QUERIES_PER_STEP)
+        # In chunks of queries: the scores before the head sum are [queries, heads, keys]. Each
+        # device takes its own queries where the sequence is split over devices.
+        parts = sequence_parts(positions.shape[1], self.policy)
+        return map_chunks(chunk, (x, qr, positions), QUERIES_PER_STEP, parts)
 
     def __call__(
         self, x: Float[Array, "batch seq d_model"], qr: Float[Array, "batch seq q_lora"]
