@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from .._typecheck import typechecked
 from ..execution import EMBED_AXES, batch_axes
 from ..nn import KVCache, LayerStack
-from ..quant import LoraWeight, QuantizedWeight, factor_specs, is_weight
+from ..quant import LoraWeight, QuantizedWeight, factor_specs, is_weight, trimmed_spec
 
 
 # A model, or any module of one (e.g. a layer's `Experts`): placement is by its own axes.
@@ -117,7 +117,8 @@ class ShardingRules:
         order, that the mesh has, that no other dim of the array names on its own or took
         for an earlier dim, and whose product keeps dividing it. E.g. `embed=("fsdp",
         "expert")` splits a dense weight's `embed` dim over both axes, and an expert stack's
-        over `fsdp` only, its `experts` dim taking `expert`."""
+        over `fsdp` only, its `experts` dim taking `expert`. Mesh axes of size 1 split
+        nothing and are left out, as are trailing unsplit dims (`quant.trimmed_spec`)."""
         table = dict(self.rules)
         blocks = (1,) * len(shape) if blocks is None else blocks
         wanted = [table.get(name) if name is not None else None for name in axes]
@@ -144,12 +145,7 @@ class ShardingRules:
             raise ValueError(
                 f"sharding rules map two axes of {axes} to the same mesh axis: {entries}"
             )
-        # Trailing unsplit dims left out: the form jit gives its outputs' shardings, so that a
-        # step's outputs, fed back, are placed as its inputs were (an equal but differently
-        # written spec compiles the step again).
-        while entries and entries[-1] is None:
-            entries.pop()
-        return PartitionSpec(*entries)
+        return trimmed_spec(*entries)
 
 
 def _platform(mesh: Mesh | AbstractMesh) -> str | None:

@@ -20,6 +20,7 @@ from ._lora import (
     factors_only as factors_only,
     has_adapters as has_adapters,
     is_weight as is_weight,
+    trimmed_spec as trimmed_spec,
 )
 from ._numerics import (
     ACT_BLOCK as ACT_BLOCK,
@@ -64,6 +65,7 @@ __all__ = [
     "has_adapters",
     "factors_only",
     "factor_specs",
+    "trimmed_spec",
     "quantize",
     "dense",
     "dequantize_host",

@@ -122,12 +122,15 @@ def factor_specs(spec: PartitionSpec, ndim: int) -> tuple[PartitionSpec, Partiti
     by `spec`: `A` split like the base's input dim, `B` like its output dim, their rank dims
     whole, so that each device's products with its slices sum like the base's."""
     *lead, out, inner = tuple(spec) + (None,) * (ndim - len(spec))
-    return _trimmed(*lead, None, inner), _trimmed(*lead, out, None)
+    return trimmed_spec(*lead, None, inner), trimmed_spec(*lead, out, None)
 
 
-def _trimmed(*entries: Any) -> PartitionSpec:
-    # Unsplit trailing dims left out, as in `ShardingRules.spec`: the form jit writes its
-    # outputs' specs in, so that a trained factor comes back placed as it went in.
+@typechecked
+def trimmed_spec(*entries: str | tuple[str, ...] | None) -> PartitionSpec:
+    """`PartitionSpec(*entries)` without its trailing unsplit (`None`) dims: the form jit writes
+    its outputs' specs in. A step's outputs fed back are then placed as its inputs were, and
+    a trained factor comes back as it went in; an equal spec written otherwise compiles the
+    step again (`ShardingRules.spec` writes every spec this way)."""
     while entries and entries[-1] is None:
         entries = entries[:-1]
     return PartitionSpec(*entries)
