@@ -34,6 +34,9 @@ import pytest  # noqa: E402
 from helpers import compile_with_classic_cpu_emitters  # noqa: E402
 
 
+# `pytest --compile-report`: seconds spent tracing and compiling, per test file.
+pytest_plugins = ("compile_report",)
+
 # The suite compiles far more than it runs (helpers.py says why, and what is kept apart).
 compile_with_classic_cpu_emitters()
 
