@@ -29,8 +29,10 @@ def test_compiles_nothing():
 def _report(tmp_path, cache, *args) -> dict:
     # The sample run with the plugin alone (an empty ini: none of the suite's options), in a
     # fresh process with its own compilation cache; the report's rows by file name.
+    # None of the calling session's pytest settings (PYTEST_ADDOPTS, xdist's worker variables).
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env = dict(
-        os.environ,
+        environ,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
         JAX_COMPILATION_CACHE_DIR=str(cache),
