@@ -480,11 +480,26 @@ def test_decode_keeps_dense_weights_in_place(single):
     # batch as before. Both equal one device.
     many, few = _prefill_then_step(single, dict(fsdp=4, expert=2), stationary_tokens=8)
     split, stationary = _constraints(many), _constraints(few)
-    # The embedding's output, the scanned period's two blocks and two attentions, the stack's;
-    # a decode step's also the tokens, routed and shared outputs of the period's two MoE
-    # sub-layers and the low-rank queries of its two attentions (`constrain_features`).
-    assert split["batch"] >= 6 and split["d_model"] == split["q_lora"] == 0
+    # The embedding's output, the scanned period's two blocks and two attentions, the stack's,
+    # the head's input; a decode step's also the tokens, routed and shared outputs of the
+    # period's two MoE sub-layers and the low-rank queries of its two attentions
+    # (`constrain_features`).
+    assert split["batch"] >= 7 and split["d_model"] == split["q_lora"] == 0
     assert stationary == {"d_model": split["batch"] + 2 * 3, "q_lora": 2}
+    # A prefill that asks for each row's last logits only (as generation's does): those eight
+    # positions enter the head split along d_model, as a decode step's tokens do, so the head
+    # stays where it is (taken from the prefill's rows, each chip gathered all of it by the
+    # TPU compiler's count, `benchmarks/tpu_roofline.py`).
+    model, ids = single[:2]
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    policy = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), stationary_tokens=8)
+    placed = ed.execution.with_policy(ed.shard(model, mesh), policy)
+    with jax.set_mesh(mesh):
+        cache = ed.parallel.shard_cache(placed.init_cache(8, 32), mesh)
+        last = eqx.filter_jit(lambda m, i, c: m.decode(i, c, last_only=True))
+        text = last.lower(placed, ids[:, :20], cache).as_text()
+    moved = collections.Counter(d_model=1)
+    assert _constraints(text) == split - collections.Counter(batch=1) + moved
 
 
 def test_decode_through_views_of_the_expert_stacks_equals_one_device(single):

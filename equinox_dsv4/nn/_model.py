@@ -254,6 +254,10 @@ class DeepseekV4(eqx.Module):
         self, streams: Float[Array, "batch seq streams d_model"]
     ) -> Float[Array, "batch seq vocab"]:
         """Stream collapse, final norm and head; float32 logits."""
+        # Laid out as at a block boundary: a few positions (a decode step, or each row's last
+        # position after a prefill) split along `d_model` as the head is, so that the head
+        # stays where it is; taken from a prefill's rows, each device would gather all of it.
+        streams = constrain_batch(streams, self.policy)
         return self.head(self.norm(self.hc_head(streams)), dtype=jnp.float32)
 
     @typechecked
