@@ -29,6 +29,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="equinox_dsv4-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+# Parity tests compare float32 against torch float32: no reduced-precision matmul passes. In the
+# environment too: the lowered products carry the precision, so the processes the tests start
+# compile the programs this process does (and read them from the cache) only if they agree.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from helpers import compile_with_classic_cpu_emitters  # noqa: E402
@@ -47,8 +52,7 @@ jax.config.update(
 )
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# Parity tests compare float32 against torch float32: no reduced-precision matmul passes.
-jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_default_matmul_precision", os.environ["JAX_DEFAULT_MATMUL_PRECISION"])
 
 
 @pytest.fixture
