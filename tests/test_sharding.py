@@ -491,9 +491,7 @@ def test_decode_keeps_dense_weights_in_place(single):
     # stays where it is (taken from the prefill's rows, each chip gathered all of it by the
     # TPU compiler's count, `benchmarks/tpu_roofline.py`).
     model, ids = single[:2]
-    mesh = ed.make_mesh(fsdp=4, expert=2)
-    policy = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), stationary_tokens=8)
-    placed = ed.execution.with_policy(ed.shard(model, mesh), policy)
+    placed, mesh = _placed(model, dict(fsdp=4, expert=2), stationary_tokens=8)
     with jax.set_mesh(mesh):
         cache = ed.parallel.shard_cache(placed.init_cache(8, 32), mesh)
         last = eqx.filter_jit(lambda m, i, c: m.decode(i, c, last_only=True))
@@ -525,9 +523,7 @@ def _prefill_then_step(single, axes, forward=False, **policy) -> tuple[str, str]
     # if asked,) a 20-token prefill and a decode step, each equal to one device; the prefill's
     # and the step's lowered programs.
     model, ids, logits, prefill, steps = single
-    mesh = ed.make_mesh(**axes)
-    changed = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), **policy)
-    placed = ed.execution.with_policy(ed.shard(model, mesh), changed)
+    placed, mesh = _placed(model, axes, **policy)
     with jax.set_mesh(mesh):
         if forward:
             np.testing.assert_allclose(eqx.filter_jit(placed)(ids), logits, **COMPONENT)
@@ -539,6 +535,13 @@ def _prefill_then_step(single, axes, forward=False, **policy) -> tuple[str, str]
         out, cache = _decode(placed, ids[:, 20:21], cache)
         np.testing.assert_allclose(out, steps[0], **COMPONENT)
     return many, few
+
+
+def _placed(model, axes, **policy):
+    # `model` sharded on a mesh of `axes`, under the CPU policy with `policy`'s changes; the mesh.
+    mesh = ed.make_mesh(**axes)
+    changed = dataclasses.replace(ed.execution.Policy.for_platform("cpu"), **policy)
+    return ed.execution.with_policy(ed.shard(model, mesh), changed), mesh
 
 
 def _constraints(text: str) -> collections.Counter:
