@@ -1,5 +1,6 @@
 """Attention (sliding-only, CSA, HCA) against transformers, and the sink / window by hand."""
 
+import contextlib
 import re
 
 import equinox as eqx
@@ -135,3 +136,70 @@ def test_attention_bf16_runs(getkey):
     x = jax.random.normal(getkey(), (1, 21, config.hidden_size)).astype(jnp.bfloat16)
     out = eqx.filter_jit(attn)(x)
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())
+
+
+# `Policy.attention_kernel` (TPUs'), run in Pallas' interpreter on CPU.
+KERNEL = ed.execution.Policy(attention_kernel=True)
+
+
+def _runs_kernel(fn, *args) -> bool:
+    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("layer", [0, 2, 3])
+def test_attention_kernel_matches_reference(getkey, layer):
+    # A 37-token chunk (more than `Policy.few_tokens`) attends through the kernel: the window
+    # alone, with the indexer's picks as a dense selection (CSA), with every visible entry
+    # (HCA). Against transformers.
+    config = tiny_config()
+    reference, rotary = reference_attention(config, layer, seed=40 + layer)
+    ours = load_component(
+        abstract(ed.nn.Attention, config, config.layer_types[layer]),
+        reference,
+        f"model.layers.{layer}.self_attn.",
+        ".attn",
+    )
+    ours = ed.execution.with_policy(ours, KERNEL)
+    x = jax.random.normal(getkey(), (2, 37, config.hidden_size))
+    assert _runs_kernel(ours, x)
+    expected = run_reference(reference, rotary, x, config.sliding_window)
+    np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **COMPONENT)
+
+
+@pytest.mark.parametrize("mesh", [None, dict(fsdp=2, tensor=2, expert=2)])
+def test_attention_kernel_equals_the_plain_form(mesh):
+    # Outputs and gradients (queries, keys, sinks, entries) of the kernel against the plain
+    # form: 16 heads in two groups of a program, 700 compressed entries in two padded steps,
+    # one sequence's window before the chunk half missing. On a mesh the kernel runs in a
+    # shard_map over the batch (fsdp), the sequence's parts (expert) and the heads (tensor):
+    # the gradients of the sinks and the entries, which each device holds whole, add up.
+    b, t, h, k, w, m = 2, 64, 16, 16, 8, 700
+    keys = jax.random.split(jax.random.key(3), 7)
+    q = jax.random.normal(keys[0], (b, t, h, k))
+    kv = jax.random.normal(keys[1], (b, t, k))
+    sinks = jax.random.normal(keys[2], (h,))
+    prefix = jax.random.normal(keys[3], (b, w, k))
+    prefix_valid = jnp.arange(w)[None] >= jnp.array([[w // 2], [0]])
+    entries = jax.random.normal(keys[4], (b, m, k))
+    mask = jax.random.bernoulli(keys[5], 0.3, (b, t, m))
+    cotangent = jax.random.normal(keys[6], (b, t, h, k))
+
+    def loss(policy, parts, q, kv, sinks, entries):
+        out = attend(
+            q, kv, sinks, w, prefix, prefix_valid, entries, mask, parts=parts, policy=policy
+        )
+        return jnp.sum(out * cotangent), out
+
+    grad = jax.jit(
+        jax.value_and_grad(loss, argnums=(2, 3, 4, 5), has_aux=True), static_argnums=(0, 1)
+    )
+    args = (q, kv, sinks, entries)
+    (_, want), want_grads = grad(ed.execution.Policy(), 1, *args)
+    parts = 1 if mesh is None else mesh["expert"]
+    context = jax.set_mesh(ed.make_mesh(**mesh)) if mesh else contextlib.nullcontext()
+    with context:
+        assert _runs_kernel(lambda *a: loss(KERNEL, parts, *a), *args)
+        (_, got), got_grads = grad(KERNEL, parts, *args)
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    for name, a, b_ in zip(("q", "kv", "sinks", "entries"), got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(a, b_, **COMPONENT, err_msg=name)

@@ -92,6 +92,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
             stationary_rows=512,
             split_chunks=1024,
             experts_in_place=True,
+            attention_kernel=True,
         )
     )
     assert (
@@ -178,7 +179,12 @@ def test_prefill_compiles_for_tpu(tpu_mesh):
     ids = jax.ShapeDtypeStruct((2, 64), jnp.int32, sharding=rows)
     with jax.set_mesh(tpu_mesh):
         prefill = jax.jit(lambda m, i, c: m.decode(i, c, last_only=True)).lower(model, ids, cache)
-    assert prefill.compile().memory_analysis().temp_size_in_bytes > 0
+    compiled = prefill.compile()
+    assert compiled.memory_analysis().temp_size_in_bytes > 0
+    # The attention of its 64-token chunk is the Pallas kernel (`Policy.attention_kernel`),
+    # compiled by Mosaic: in every layer, as each layer's kind of attention differs.
+    kernels = re.findall(r'custom_call_target="tpu_custom_call"', compiled.as_text())
+    assert len(kernels) >= len(set(CONFIG.layer_types)), len(kernels)
 
 
 def test_compile_command_for_a_topology_quantized(tmp_path, tpu_mesh):

@@ -11,6 +11,7 @@ the same numbers as the plain one; docs/design.md says why each exists and what 
 May import: config, quant.
 """
 
+from ._attention import attend_blocks as attend_blocks
 from ._dispatch import dispatch as dispatch
 from ._expert_loop import expert_mlps as expert_mlps, swiglu as swiglu
 from ._experts import expert_parallel as expert_parallel, routed_experts as routed_experts
@@ -67,6 +68,7 @@ __all__ = [
     "blocked_argmax",
     "set_rows",
     "map_chunks",
+    "attend_blocks",
     "zeros_after",
     "index_after",
     "take_layer",

@@ -99,6 +99,11 @@ class Policy:
       loop takes each layer's slice of every expert first, which XLA's TPU compiler copies
       whole (one sequence with a long context: most of the step's traffic) before reading
       the chosen experts from the copy.
+    - `attention_kernel`: a long chunk's (a prefill's, a train step's) attention over its
+      window and its compressed entries as one Pallas kernel that keeps each block's logits
+      and probabilities on the core (`attend_blocks`), instead of writing them to memory and
+      reading them back; its gradient is the plain form's. Off TPUs it runs in Pallas'
+      interpreter (tests).
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow
@@ -124,6 +129,7 @@ class Policy:
     picks_in_place: int = 8
     experts_in_place: bool = False
     rolled_sinkhorn: bool = False
+    attention_kernel: bool = False
 
     def __post_init__(self):
         if self.experts not in ("loop", "ragged"):
@@ -155,7 +161,7 @@ class Policy:
             # the layer loop's slices are read in place; a decode step's tokens travel to the
             # dense weights, and up to 64 sequences' to the experts' weights; a prefill's
             # sequences split over `expert` too; a device's own assignments run twice their
-            # even share at a time.
+            # even share at a time; a long chunk's attention keeps its logits on the core.
             return cls(
                 platform,
                 experts="ragged",
@@ -166,6 +172,7 @@ class Policy:
                 stationary_rows=512,
                 split_chunks=1024,
                 experts_in_place=True,
+                attention_kernel=True,
             )
         if platform != "cpu":
             return cls(platform, experts="ragged", rolled_sinkhorn=platform == "gpu")

@@ -12,6 +12,8 @@ Letters: b batch, s/q queries, n query blocks of `window` tokens, t keys of a bl
 entries, h heads, k head dim, g groups, o `o_lora_rank`.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ from ..config import CSA, HCA, SLIDING, Config
 from ..execution import (
     Q_LORA_AXES,
     Policy,
+    attend_blocks,
     constrain_batch,
     constrain_features,
     grouped_linear,
@@ -68,6 +71,7 @@ def attend(
     compressed_picks: Int[Array, "batch seq topk"] | None = None,
     picked: Float[Array, "batch seq topk head_dim"] | None = None,
     parts: int = 1,
+    policy: Policy | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of a chunk of queries over their sliding window, plus compressed
     entries, plus a per-head sink.
@@ -83,7 +87,8 @@ def attend(
     so the cost is linear in the chunk length. `parts`: the chunk's sequence is split over
     devices in this many contiguous parts (`sequence_parts`), each attended on its own device
     when it holds whole blocks. Logits and softmax are float32; probabilities
-    are cast to the value dtype for the value matmul, which accumulates in float32.
+    are cast to the value dtype for the value matmul, which accumulates in float32. `policy`
+    chooses the form of the blocks' attention (`execution.attend_blocks`).
     """
     b, t, h, k = q.shape
     w = window
@@ -106,15 +111,6 @@ def attend(
         valid = jnp.concatenate([valid[:, :-1], valid[:, 1:]], axis=2)
     else:
         keys, valid = ext[:, None], valid[:, None]
-    # Query i of a block against key j of its key window: causal and within the window.
-    i = np.arange(bq)[:, None]
-    j = np.arange(keys.shape[2])[None, :]
-    # Logits are laid out query-major, [b, n, q, h, t]: the heads of a query are contiguous,
-    # as a product emits them without a transpose, and the sink and denominator need none
-    # either (docs/design.md, "Attention logits query-major").
-    in_window = jnp.asarray((i < j) & (j <= i + w))[None, None, :, None]
-    scale = k**-0.5
-    sink = lead(f32(sinks)[:, None], 5)  # [1, 1, 1, h, 1]
 
     def blocked(x):  # [b, t, ...] -> [b, nb, bq, ...]
         x = jnp.pad(x, ((0, 0), (0, nb * bq - t)) + ((0, 0),) * (x.ndim - 2))
@@ -125,48 +121,62 @@ def attend(
         use_compressed = compressed_picks.shape[-1] > 0  # min(index_topk, entries) picks
     else:
         use_compressed = compressed is not None and compressed.shape[1] > 0
+    parts = parts if t % (parts * bq) == 0 else 1  # whole blocks on each device
     if use_compressed and compressed_picks is not None:
         if picked is None:
             assert compressed is not None
             picked = _rows(compressed, jnp.maximum(compressed_picks, 0))
-        c_keys = blocked(picked)
-        c_valid = blocked(compressed_picks >= 0)
-    elif use_compressed:
-        assert compressed_mask is not None
-        c_keys, c_valid = None, blocked(compressed_mask)
+        body = functools.partial(_blocks, compressed=None, sinks=sinks)
+        inputs = (qb, keys, valid, blocked(compressed_picks >= 0), blocked(picked))
+        out = map_chunks(body, inputs, BLOCKS_PER_STEP, parts)
     else:
-        c_keys, c_valid = None, jnp.zeros((b, nb, bq, 0), jnp.bool_)
-
-    def blocks(qb, keys, valid, c_valid, *c_keys):
-        logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys)
-        logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
-        top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
-        if c_keys:  # picked entries, one set per query
-            c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0])
-        elif use_compressed:
-            c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed)
         if use_compressed:
-            c_logits = jnp.where(c_valid[:, :, :, None], c_logits * scale, -jnp.inf)
-            top = jnp.maximum(top, jnp.max(c_logits, axis=-1, keepdims=True))
-        probs = jnp.exp(logits - top)
-        denom = jnp.sum(probs, axis=-1, keepdims=True) + jnp.exp(sink - top)
-        out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(kv.dtype), keys)
-        if use_compressed:
-            c_probs = jnp.exp(c_logits - top)
-            denom = denom + jnp.sum(c_probs, axis=-1, keepdims=True)
-            if c_keys:
-                c_probs = c_probs.astype(kv.dtype)
-                c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs, c_keys[0])
-            else:
-                c_probs = c_probs.astype(kv.dtype)
-                c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs, compressed)
-            out = out + c_out
-        return out / denom
-
-    inputs = (qb, keys, valid, c_valid) + ((c_keys,) if c_keys is not None else ())
-    parts = parts if t % (parts * bq) == 0 else 1  # whole blocks on each device
-    out = map_chunks(blocks, inputs, BLOCKS_PER_STEP, parts)
+            assert compressed_mask is not None
+            c_valid = blocked(compressed_mask)
+        else:
+            compressed, c_valid = None, jnp.zeros((b, nb, bq, 0), jnp.bool_)
+        inputs = (qb, keys, valid, c_valid, compressed, sinks)
+        out = attend_blocks(_blocks, *inputs, BLOCKS_PER_STEP, parts, policy)
     return out.reshape(b, nb * bq, h, k)[:, :t].astype(q.dtype)
+
+
+def _blocks(qb, keys, valid, c_valid, *c_keys, compressed, sinks):
+    # The plain attention of query blocks `[b, n, q, ...]` (`attend`): query i of a block
+    # sees key j of its keys for i < j <= i + keys - queries where `valid`, and the compressed
+    # entries `c_valid` marks (`compressed` for all queries alike, or `c_keys`: per query).
+    bq, width, k = qb.shape[2], keys.shape[2], qb.shape[-1]
+    i = np.arange(bq)[:, None]
+    j = np.arange(width)[None, :]
+    # Logits are laid out query-major, [b, n, q, h, t]: the heads of a query are contiguous,
+    # as a product emits them without a transpose, and the sink and denominator need none
+    # either (docs/design.md, "Attention logits query-major").
+    in_window = jnp.asarray((i < j) & (j <= i + width - bq))[None, None, :, None]
+    scale = k**-0.5
+    sink = lead(f32(sinks)[:, None], 5)  # [1, 1, 1, h, 1]
+    use_compressed = bool(c_keys) or compressed is not None
+    logits = einsum_f32("bnqhk,bntk->bnqht", qb, keys)
+    logits = jnp.where(in_window & valid[:, :, None, None, :], logits * scale, -jnp.inf)
+    top = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink)
+    if c_keys:  # picked entries, one set per query
+        c_logits = einsum_f32("bnqhk,bnqjk->bnqhj", qb, c_keys[0])
+    elif use_compressed:
+        c_logits = einsum_f32("bnqhk,bmk->bnqhm", qb, compressed)
+    if use_compressed:
+        c_logits = jnp.where(c_valid[:, :, :, None], c_logits * scale, -jnp.inf)
+        top = jnp.maximum(top, jnp.max(c_logits, axis=-1, keepdims=True))
+    probs = jnp.exp(logits - top)
+    denom = jnp.sum(probs, axis=-1, keepdims=True) + jnp.exp(sink - top)
+    out = einsum_f32("bnqht,bntk->bnqhk", probs.astype(keys.dtype), keys)
+    if use_compressed:
+        c_probs = jnp.exp(c_logits - top)
+        denom = denom + jnp.sum(c_probs, axis=-1, keepdims=True)
+        c_probs = c_probs.astype(keys.dtype)
+        if c_keys:
+            c_out = einsum_f32("bnqhj,bnqjk->bnqhk", c_probs, c_keys[0])
+        else:
+            c_out = einsum_f32("bnqhm,bmk->bnqhk", c_probs, compressed)
+        out = out + c_out
+    return out / denom
 
 
 class Attention(eqx.Module):
@@ -327,7 +337,18 @@ class Attention(eqx.Module):
                 mask = entry[None, None, :] < visible[..., None]
         parts = sequence_parts(t, self.policy)
         o = attend(
-            q, kv, self.attn_sink, w, prefix, before >= 0, compressed, mask, picks, picked, parts
+            q,
+            kv,
+            self.attn_sink,
+            w,
+            prefix,
+            before >= 0,
+            compressed,
+            mask,
+            picks,
+            picked,
+            parts,
+            self.policy,
         )
         out = self.project_out(self.rope(o, positions, inverse=True))
         return out, LayerCache(ring, compressor_state, indexer_state)
