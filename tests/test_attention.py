@@ -142,8 +142,8 @@ def test_attention_bf16_runs(getkey):
 KERNEL = ed.execution.Policy(attention_kernel=True)
 
 
-def _runs_kernel(fn, *args) -> bool:
-    return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+def _kernels(fn, *args) -> int:
+    return str(jax.make_jaxpr(fn)(*args)).count("pallas_call[")
 
 
 @pytest.mark.parametrize("layer", [0, 2, 3])
@@ -161,18 +161,19 @@ def test_attention_kernel_matches_reference(getkey, layer):
     )
     ours = ed.execution.with_policy(ours, KERNEL)
     x = jax.random.normal(getkey(), (2, 37, config.hidden_size))
-    assert _runs_kernel(ours, x)
+    assert _kernels(ours, x) == 1
     expected = run_reference(reference, rotary, x, config.sliding_window)
     np.testing.assert_allclose(eqx.filter_jit(ours)(x), expected, **COMPONENT)
 
 
 @pytest.mark.parametrize("mesh", [None, dict(fsdp=2, tensor=2, expert=2)])
 def test_attention_kernel_equals_the_plain_form(mesh):
-    # Outputs and gradients (queries, keys, sinks, entries) of the kernel against the plain
-    # form: 16 heads in two groups of a program, 700 compressed entries in two padded steps,
-    # one sequence's window before the chunk half missing. On a mesh the kernel runs in a
-    # shard_map over the batch (fsdp), the sequence's parts (expert) and the heads (tensor):
-    # the gradients of the sinks and the entries, which each device holds whole, add up.
+    # Outputs and gradients (queries, keys, sinks, entries) of the kernels (forward and
+    # backward) against the plain form: 16 heads in two groups of a program, 700 compressed
+    # entries in two padded steps, one sequence's window before the chunk half missing. On a
+    # mesh the kernels run in a shard_map over the batch (fsdp), the sequence's parts
+    # (expert) and the heads (tensor): the gradients of the sinks and the entries, which each
+    # device holds whole, add up.
     b, t, h, k, w, m = 2, 64, 16, 16, 8, 700
     keys = jax.random.split(jax.random.key(3), 7)
     q = jax.random.normal(keys[0], (b, t, h, k))
@@ -198,7 +199,8 @@ def test_attention_kernel_equals_the_plain_form(mesh):
     parts = 1 if mesh is None else mesh["expert"]
     context = jax.set_mesh(ed.make_mesh(**mesh)) if mesh else contextlib.nullcontext()
     with context:
-        assert _runs_kernel(lambda *a: loss(KERNEL, parts, *a), *args)
+        # The forward kernel, and the backward one.
+        assert _kernels(lambda *a: grad(KERNEL, parts, *a), *args) == 2
         (_, got), got_grads = grad(KERNEL, parts, *args)
     np.testing.assert_allclose(got, want, **COMPONENT)
     for name, a, b_ in zip(("q", "kv", "sinks", "entries"), got_grads, want_grads, strict=True):

@@ -7,9 +7,10 @@ math does not need. The kernel keeps them in the chip's on-core memory instead: 
 queries and group of heads, the window's softmax first, then the compressed entries a block
 at a time with a running maximum and denominator (the sink seeds the denominator, as in the
 plain form). It computes what the plain form computes, in another order: equal within float
-rounding. Its gradient is the plain form's, recomputed a chunk at a time from the same
-inputs (training keeps the plain form's memory). On other backends the kernel runs in Pallas'
-interpreter, which is how tests compare it with the plain form on CPU.
+rounding. Its gradient is a second kernel of the same blocks and steps, from the output and
+each query's log denominator: the queries' and each block's keys' gradients whole, the
+entries' as each program's share, summed after it. On other backends the kernels run in
+Pallas' interpreter, which is how tests compare them with the plain form on CPU.
 
 Under a mesh the kernel runs in a `shard_map`: each device its batch rows (`batch_axes`), its
 part of the blocks when the sequence is split over `expert` (`sequence_parts`), and its heads
@@ -17,6 +18,7 @@ when `tensor` splits them.
 """
 
 import functools
+import typing
 from collections.abc import Callable
 
 import jax
@@ -54,8 +56,8 @@ def attend_blocks(
     """`fn(qb, keys, valid, c_valid, compressed=..., sinks=...)`, the plain attention of
     query blocks, in the policy's form: chunks of `size` blocks in `parts` sequence parts
     (`map_chunks`), or for more than `policy.few_tokens` queries per sequence the kernel
-    (`Policy.attention_kernel`), whose output equals the plain
-    form's within float rounding and whose gradient is the plain form's.
+    (`Policy.attention_kernel`), whose output and gradient equal the plain form's within
+    float rounding.
 
     `qb`: each block's queries; `keys`: its raw keys, of which query `i` sees key `j` for
     `i < j <= i + keys - queries` where `valid`; `c_valid`: which compressed entries each
@@ -68,12 +70,7 @@ def attend_blocks(
     if not has_entries:
         compressed = None
     args = (qb, keys, valid, c_valid, compressed, sinks)
-    kernel = functools.partial(
-        _fused,
-        fn,
-        size,
-        platform_of(qb) != "tpu",  # the interpreter off TPUs
-    )
+    kernel = functools.partial(_fused, platform_of(qb) != "tpu")  # the interpreter off TPUs
     if jax.sharding.get_abstract_mesh().empty:
         return kernel(*args)
     rows = batch_axes(qb.shape[0])
@@ -96,69 +93,104 @@ def attend_blocks(
     )(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fused(fn, size, interpret, qb, keys, valid, c_valid, compressed, sinks):
-    return _forward(qb, keys, valid, c_valid, compressed, sinks, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(interpret, qb, keys, valid, c_valid, compressed, sinks):
+    return _forward(interpret, qb, keys, valid, c_valid, compressed, sinks)[0]
 
 
-def _fused_fwd(fn, size, interpret, *args):
-    return _fused(fn, size, interpret, *args), args
+def _fused_fwd(interpret, *args):
+    out, lse = _forward(interpret, *args)
+    return out, (args, out, lse)
 
 
-def _fused_bwd(fn, size, interpret, args, cotangent):
-    # The plain form's gradient, recomputed a chunk at a time (as the plain form's own
-    # backward pass would recompute it under the layers' remat).
-    def plain(qb, keys, valid, c_valid, compressed, sinks):
-        body = functools.partial(fn, compressed=compressed, sinks=sinks)
-        return map_chunks(body, (qb, keys, valid, c_valid), size)
-
-    _, vjp = jax.vjp(plain, *args)
-    return vjp(cotangent)
+def _fused_bwd(interpret, residuals, cotangent):
+    args, out, lse = residuals
+    return _backward(interpret, *args, out, lse, cotangent)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _forward(qb, keys, valid, c_valid, compressed, sinks, interpret):
+class _Layout(typing.NamedTuple):
+    # The kernels' operands, heads ahead of the queries (a program's blocks are
+    # [queries, head_dim] per head), and their specs over the grid (rows, blocks, groups of
+    # heads, steps of entries).
+    inputs: list
+    specs: list
+    group: int
+    steps: int
+    block: int  # entries per step (0: none)
+
+
+def _layout(qb, keys, valid, c_valid, compressed, sinks) -> _Layout:
     b, nb, bq, h, k = qb.shape
     width = keys.shape[2]
     group = HEAD_GROUP if h % HEAD_GROUP == 0 else h
-    # Heads ahead of the queries: a program's blocks are [queries, head_dim] per head.
-    q = qb.transpose(0, 1, 3, 2, 4)
-    valid = valid.astype(jnp.float32)[:, :, None, :]
-    sinks = sinks.astype(jnp.float32)
-    inputs = [sinks, q, keys, valid]
-    in_specs = [
+    inputs = [
+        sinks.astype(jnp.float32),
+        qb.transpose(0, 1, 3, 2, 4),
+        keys,
+        valid.astype(jnp.float32)[:, :, None, :],
+    ]
+    specs = [
         pl.BlockSpec(memory_space=pltpu.SMEM),
-        pl.BlockSpec((None, None, group, bq, k), lambda i, n, g, c: (i, n, g, 0, 0)),
+        _per_head(group, bq, k),
         pl.BlockSpec((None, None, width, k), lambda i, n, g, c: (i, n, 0, 0)),
         pl.BlockSpec((None, None, 1, width), lambda i, n, g, c: (i, n, 0, 0)),
     ]
-    steps = 1
-    if compressed is not None:
-        m = compressed.shape[1]
-        steps = -(-m // ENTRY_BLOCK)
-        # Equal steps of whole 128-lane tiles (or one step of them all): the least padding.
-        block = m if steps == 1 else -(-m // (steps * 128)) * 128
-        pad = steps * block - m
-        entries = jnp.pad(compressed, ((0, 0), (0, pad), (0, 0)))
-        seen = jnp.pad(c_valid.astype(jnp.float32), ((0, 0),) * 3 + ((0, pad),))
-        inputs += [entries, seen]
-        in_specs += [
-            pl.BlockSpec((None, block, k), lambda i, n, g, c: (i, c, 0)),
-            pl.BlockSpec((None, None, bq, block), lambda i, n, g, c: (i, n, 0, c)),
-        ]
-    spec = pl.BlockSpec((None, None, group, bq, k), lambda i, n, g, c: (i, n, g, 0, 0))
-    reads = sum(x.size * x.dtype.itemsize for x in inputs)
-    if compressed is not None:  # every group of heads reads the entries again
-        reads += (h // group - 1) * nb * entries.size * entries.dtype.itemsize
-    keys_seen = width + (0 if compressed is None else steps * block)
-    out = pl.pallas_call(
-        functools.partial(_kernel, scale=k**-0.5, steps=steps, with_entries=compressed is not None),
-        out_shape=jax.ShapeDtypeStruct((b, nb, h, bq, k), jnp.float32),
-        grid=(b, nb, h // group, steps),
-        in_specs=in_specs,
-        out_specs=spec,
+    if compressed is None:
+        return _Layout(inputs, specs, group, 1, 0)
+    m = compressed.shape[1]
+    steps = -(-m // ENTRY_BLOCK)
+    # Equal steps of whole 128-lane tiles (or one step of them all): the least padding.
+    block = m if steps == 1 else -(-m // (steps * 128)) * 128
+    pad = steps * block - m
+    inputs += [
+        jnp.pad(compressed, ((0, 0), (0, pad), (0, 0))),
+        jnp.pad(c_valid.astype(jnp.float32), ((0, 0),) * 3 + ((0, pad),)),
+    ]
+    specs += [
+        pl.BlockSpec((None, block, k), lambda i, n, g, c: (i, c, 0)),
+        pl.BlockSpec((None, None, bq, block), lambda i, n, g, c: (i, n, 0, c)),
+    ]
+    return _Layout(inputs, specs, group, steps, block)
+
+
+def _per_head(group, bq, last):  # [b, n, h, q, last], a group of heads per program
+    return pl.BlockSpec((None, None, group, bq, last), lambda i, n, g, c: (i, n, g, 0, 0))
+
+
+def _cost(layout: _Layout, qb, keys, written: int, products: int) -> pl.CostEstimate:
+    # Every operand read once, the entries once more per further group of heads, `written`
+    # bytes written; `products` matmuls over each query's keys and entries.
+    b, nb, bq, h, k = qb.shape
+    reads = sum(x.size * x.dtype.itemsize for x in layout.inputs)
+    if layout.block:
+        entries = layout.inputs[4]
+        reads += (h // layout.group - 1) * nb * entries.size * entries.dtype.itemsize
+    seen = keys.shape[2] + layout.steps * layout.block
+    return pl.CostEstimate(
+        flops=2 * products * b * nb * bq * h * seen * k,
+        transcendentals=b * nb * bq * h * seen,
+        bytes_accessed=reads + written,
+    )
+
+
+def _forward(interpret, qb, keys, valid, c_valid, compressed, sinks):
+    # The output [b, n, q, h, k] (float32) and each query's log denominator
+    # [b, n, h, q, 1] (the backward kernel's residual).
+    b, nb, bq, h, k = qb.shape
+    layout = _layout(qb, keys, valid, c_valid, compressed, sinks)
+    group = layout.group
+    out, lse = pl.pallas_call(
+        functools.partial(_forward_kernel, scale=k**-0.5, steps=layout.steps),
+        out_shape=(
+            jax.ShapeDtypeStruct((b, nb, h, bq, k), jnp.float32),
+            jax.ShapeDtypeStruct((b, nb, h, bq, 1), jnp.float32),
+        ),
+        grid=(b, nb, h // group, layout.steps),
+        in_specs=layout.specs,
+        out_specs=(_per_head(group, bq, k), _per_head(group, bq, 1)),
         scratch_shapes=[
             pltpu.VMEM((group, bq, 128), jnp.float32),  # running maximum, lane-broadcast
             pltpu.VMEM((group, bq, 128), jnp.float32),  # running denominator
@@ -167,40 +199,108 @@ def _forward(qb, keys, valid, c_valid, compressed, sinks, interpret):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        cost_estimate=pl.CostEstimate(
-            flops=4 * b * nb * bq * h * keys_seen * k,
-            transcendentals=b * nb * bq * h * keys_seen,
-            bytes_accessed=reads + b * nb * h * bq * k * 4,
-        ),
+        cost_estimate=_cost(layout, qb, keys, b * nb * h * bq * (k + 1) * 4, 2),
         interpret=interpret,
         name="window_and_entries_attention",
+    )(*layout.inputs)
+    return out.transpose(0, 1, 3, 2, 4), lse
+
+
+def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, cotangent):
+    # The gradients of `_forward`'s output: the queries', each block's keys' (K = V: as keys
+    # and as values), the entries' (each block's and group's share, summed here) and the
+    # sinks' (from the residuals: a sink's probability times the output's cotangent along
+    # the output, negated).
+    b, nb, bq, h, k = qb.shape
+    width = keys.shape[2]
+    layout = _layout(qb, keys, valid, c_valid, compressed, sinks)
+    group, steps, block = layout.group, layout.steps, layout.block
+    d_out = cotangent.transpose(0, 1, 3, 2, 4)
+    # D_i = dO_i . O_i, which every probability's gradient subtracts.
+    along = jnp.sum(cotangent * out, axis=-1).transpose(0, 1, 3, 2)[..., None]
+    inputs = [*layout.inputs, lse, d_out, along]
+    specs = [*layout.specs, _per_head(group, bq, 1), _per_head(group, bq, k)]
+    specs.append(_per_head(group, bq, 1))
+    out_shape = [
+        jax.ShapeDtypeStruct((b, nb, h, bq, k), jnp.float32),
+        jax.ShapeDtypeStruct((b, nb, width, k), jnp.float32),
+    ]
+    out_specs = [
+        _per_head(group, bq, k),
+        pl.BlockSpec((None, None, width, k), lambda i, n, g, c: (i, n, 0, 0)),
+    ]
+    if block:  # each program's share of the entries' gradient: [b, n, groups, entries, k]
+        shape = (b, nb, h // group, steps * block, k)
+        out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
+        spec = pl.BlockSpec((None, None, None, block, k), lambda i, n, g, c: (i, n, g, c, 0))
+        out_specs.append(spec)
+    written = sum(s.size * 4 for s in out_shape)
+    grads = pl.pallas_call(
+        functools.partial(_backward_kernel, scale=k**-0.5, with_entries=bool(block)),
+        out_shape=out_shape,
+        grid=(b, nb, h // group, steps),
+        in_specs=specs,
+        out_specs=out_specs,
+        compiler_params=pltpu.CompilerParams(
+            # The keys' gradient adds up over the groups of heads: in order.
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")
+        ),
+        cost_estimate=_cost(layout, qb, keys, written, 5),
+        interpret=interpret,
+        name="window_and_entries_attention_grad",
     )(*inputs)
-    return out.transpose(0, 1, 3, 2, 4)
+    d_q = grads[0].transpose(0, 1, 3, 2, 4).astype(qb.dtype)
+    d_keys = grads[1].astype(keys.dtype)
+    d_entries = None
+    if block:
+        m = compressed.shape[1]
+        d_entries = jnp.sum(grads[2], axis=(1, 2))[:, :m].astype(compressed.dtype)
+    sink_probs = jnp.exp(sinks.astype(jnp.float32)[None, None, :, None] - lse[..., 0])
+    d_sinks = -jnp.sum(sink_probs * along[..., 0], axis=(0, 1, 3)).astype(sinks.dtype)
+    return d_q, d_keys, None, None, d_entries, d_sinks
 
 
-def _kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, with_entries):
-    if with_entries:
-        c_ref, seen_ref, o_ref, max_ref, den_ref, acc_ref = refs
-    else:
-        o_ref, max_ref, den_ref, acc_ref = refs
-    # Read outside the conditional blocks, which Pallas' interpreter cannot read them in.
-    step, first_head = pl.program_id(3), pl.program_id(2) * q_ref.shape[0]
-    group = q_ref.shape[0]
+def _products(q_ref):
     f32 = jnp.float32
-
     # Named, not the configured default: Mosaic refuses a float32 contraction of 16-bit
     # operands, whose products are exact in one pass anyway.
     exact = jax.lax.Precision.HIGHEST if q_ref.dtype == f32 else jax.lax.Precision.DEFAULT
 
-    def scores(q, keys):  # [queries, k] x [keys, k] -> [queries, keys], float32
-        dims = (((1,), (1,)), ((), ()))
-        return jax.lax.dot_general(q, keys, dims, exact, preferred_element_type=f32)
+    def product(a, b, contract):  # a [r, x] . b: a's dim 1 against b's dim `contract`
+        dims = (((1,), (contract,)), ((), ()))
+        return jax.lax.dot_general(a, b, dims, exact, preferred_element_type=f32)
 
-    def values(p, keys):  # [queries, keys] x [keys, k] -> [queries, k], float32
-        dims = (((1,), (0,)), ((), ()))
-        return jax.lax.dot_general(
-            p.astype(keys.dtype), keys, dims, exact, preferred_element_type=f32
-        )
+    def scores(q, keys):  # [queries, k] x [keys, k] -> [queries, keys]
+        return product(q, keys, 1)
+
+    def values(p, keys):  # [queries, keys] x [keys, k] -> [queries, k]
+        return product(p.astype(keys.dtype), keys, 0)
+
+    def transposed(a, b):  # [r, x] x [r, y] -> a^T . b [x, y]
+        dims = (((0,), (0,)), ((), ()))
+        a = a.astype(b.dtype)
+        return jax.lax.dot_general(a, b, dims, exact, preferred_element_type=f32)
+
+    return scores, values, transposed
+
+
+def _window_seen(bq, width, valid_ref):
+    # Query i sees key j of its block's keys for i < j <= i + width - bq, where valid.
+    i = jax.lax.broadcasted_iota(jnp.int32, (bq, width), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (bq, width), 1)
+    return (i < j) & (j <= i + (width - bq)) & (valid_ref[...] > 0.5)
+
+
+def _forward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps):
+    if len(refs) == 7:
+        c_ref, seen_ref, o_ref, lse_ref, max_ref, den_ref, acc_ref = refs
+    else:
+        c_ref = seen_ref = None
+        o_ref, lse_ref, max_ref, den_ref, acc_ref = refs
+    # Read outside the conditional blocks, which Pallas' interpreter cannot read them in.
+    step, first_head = pl.program_id(3), pl.program_id(2) * q_ref.shape[0]
+    group = q_ref.shape[0]
+    scores, values, _ = _products(q_ref)
 
     def lanes(x):  # [queries, 1] -> [queries, 128]
         return jnp.broadcast_to(x, (x.shape[0], 128))
@@ -208,10 +308,7 @@ def _kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, with_entrie
     @pl.when(step == 0)
     def _window():
         keys = k_ref[...]
-        bq, width = q_ref.shape[1], keys.shape[0]
-        i = jax.lax.broadcasted_iota(jnp.int32, (bq, width), 0)
-        j = jax.lax.broadcasted_iota(jnp.int32, (bq, width), 1)
-        seen = (i < j) & (j <= i + (width - bq)) & (valid_ref[...] > 0.5)
+        seen = _window_seen(q_ref.shape[1], keys.shape[0], valid_ref)
         for g in range(group):
             s = jnp.where(seen, scores(q_ref[g], keys) * scale, -jnp.inf)
             sink = sinks_ref[first_head + g]
@@ -221,7 +318,7 @@ def _kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, with_entrie
             den_ref[g] = lanes(jnp.sum(p, axis=1, keepdims=True) + jnp.exp(sink - top))
             acc_ref[g] = values(p, keys)
 
-    if with_entries:
+    if c_ref is not None:
         entries = c_ref[...]
         seen = seen_ref[...] > 0.5
         for g in range(group):
@@ -237,4 +334,49 @@ def _kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, with_entrie
     @pl.when(step == steps - 1)
     def _out():
         for g in range(group):
-            o_ref[g] = (acc_ref[g] / den_ref[g][:, :1]).astype(o_ref.dtype)
+            den = den_ref[g][:, :1]
+            o_ref[g] = (acc_ref[g] / den).astype(o_ref.dtype)
+            lse_ref[g] = max_ref[g][:, :1] + jnp.log(den)
+
+
+def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, with_entries):
+    # dS = P (dP - D) with dP = dO . V: the queries' gradient is scale dS . K; a key's,
+    # scale dS^T . Q as a key plus P^T . dO as a value (the same rows: K = V).
+    del sinks_ref  # in the log denominators already
+    if with_entries:
+        c_ref, seen_ref, lse_ref, do_ref, along_ref, dq_ref, dk_ref, dc_ref = refs
+    else:
+        c_ref = seen_ref = dc_ref = None
+        lse_ref, do_ref, along_ref, dq_ref, dk_ref = refs
+    # Read outside the conditional blocks, which Pallas' interpreter cannot read them in.
+    step, first_group = pl.program_id(3), pl.program_id(2) == 0
+    group = q_ref.shape[0]
+    scores, values, transposed = _products(q_ref)
+
+    def grads(g, rows, seen):  # head g against `rows` (keys or entries): dS and P
+        s = jnp.where(seen, scores(q_ref[g], rows) * scale, -jnp.inf)
+        p = jnp.exp(s - lse_ref[g])
+        d_s = p * (scores(do_ref[g].astype(rows.dtype), rows) - along_ref[g])
+        return d_s, p
+
+    @pl.when(step == 0)
+    def _window():
+        keys = k_ref[...]
+        seen = _window_seen(q_ref.shape[1], keys.shape[0], valid_ref)
+        d_k = jnp.zeros(dk_ref.shape, jnp.float32)
+        for g in range(group):
+            d_s, p = grads(g, keys, seen)
+            dq_ref[g] = values(d_s, keys) * scale
+            d_k += transposed(d_s, q_ref[g]) * scale + transposed(p, do_ref[g].astype(keys.dtype))
+        dk_ref[...] = jnp.where(first_group, d_k, dk_ref[...] + d_k)
+
+    if c_ref is not None:
+        entries = c_ref[...]
+        seen = seen_ref[...] > 0.5
+        d_c = jnp.zeros(dc_ref.shape, jnp.float32)
+        for g in range(group):
+            d_s, p = grads(g, entries, seen)
+            dq_ref[g] += values(d_s, entries) * scale
+            d_o = do_ref[g].astype(entries.dtype)
+            d_c += transposed(d_s, q_ref[g]) * scale + transposed(p, d_o)
+        dc_ref[...] = d_c
