@@ -31,6 +31,11 @@ names JAX gives them) say where the traffic beyond the floor comes from; and
 one prefill layer alone, the first five layers' program less the first four's
 (`layer_traffic`).
 
+Pallas kernels (the TPU policy's attention of a long chunk, `Policy.attention_kernel`) are
+charged what their own cost estimates say, and at least their operands and results
+(`hlo.pallas_shortfall`, added to XLA's bytes; the row's `pallas`); their part is "attention:
+the kernel".
+
 These are estimates from the compiler's own accounting, not runs on a TPU.
 
     python benchmarks/tpu_roofline.py [--only flash-b-64 ...] [--phases decode]
@@ -184,6 +189,9 @@ PARTS = (
     (r"/moe/", "router, shared expert"),
     (r"indexer", "attention: indexer"),
     (r"compressor", "attention: compressors"),
+    # The Pallas kernel of a long chunk's window and compressed entries
+    # (`Policy.attention_kernel`).
+    (r"window_and_entries_attention", "attention: the kernel (window and entries)"),
     (r"attention", "attention: the rest (projections, blocks, softmax)"),
     (r"/block/", "mHC and norms (the 4 streams)"),
     (r"(jit\(_\w+\)|dynamic_index_in_dim\))/squeeze$", "layer stacks sliced per layer"),
@@ -386,6 +394,11 @@ def main() -> int:
                 continue
             r = reports[phase]["phases"][phase]
             flops, nbytes = r["flops"], r["bytes_accessed"]
+            text = work / f"{name}.{phase}.txt"
+            # Pallas kernels charged at least their operands and results where their cost
+            # estimates say less (`hlo.pallas_shortfall`).
+            kernels, short = hlo.pallas_shortfall(text.read_text()) if text.exists() else (0, 0)
+            nbytes += short
             compute, memory = flops / PEAK_FLOPS, nbytes / HBM_BYTES_PER_S
             estimate = max(compute, memory)
             f = floor[phase]
@@ -415,8 +428,8 @@ def main() -> int:
                 "mfu_estimate": f["flops"] / estimate / PEAK_FLOPS,
                 "argument_bytes": r["argument_bytes"],
                 "temp_bytes": r["temp_bytes"],
+                "pallas": {"kernels": kernels, "added_bytes": short},
             }
-            text = work / f"{name}.{phase}.txt"
             if text.exists():
                 row["traffic_by_part"] = dict(traffic_by_part(text.read_text()).most_common())
             rows.append(row)

@@ -160,11 +160,11 @@ def _per_head(group, bq, last):  # [b, n, h, q, last], a group of heads per prog
     return pl.BlockSpec((None, None, group, bq, last), lambda i, n, g, c: (i, n, g, 0, 0))
 
 
-def _cost(layout: _Layout, qb, keys, written: int, products: int) -> pl.CostEstimate:
-    # Every operand read once, the entries once more per further group of heads, `written`
-    # bytes written; `products` matmuls over each query's keys and entries.
+def _cost(layout: _Layout, inputs, qb, keys, written: int, products: int) -> pl.CostEstimate:
+    # Every operand of `inputs` read once, the entries once more per further group of heads,
+    # `written` bytes written; `products` matmuls over each query's keys and entries.
     b, nb, bq, h, k = qb.shape
-    reads = sum(x.size * x.dtype.itemsize for x in layout.inputs)
+    reads = sum(x.size * x.dtype.itemsize for x in inputs)
     if layout.block:
         entries = layout.inputs[4]
         reads += (h // layout.group - 1) * nb * entries.size * entries.dtype.itemsize
@@ -199,7 +199,7 @@ def _forward(interpret, qb, keys, valid, c_valid, compressed, sinks):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        cost_estimate=_cost(layout, qb, keys, b * nb * h * bq * (k + 1) * 4, 2),
+        cost_estimate=_cost(layout, layout.inputs, qb, keys, b * nb * h * bq * (k + 1) * 4, 2),
         interpret=interpret,
         name="window_and_entries_attention",
     )(*layout.inputs)
@@ -245,7 +245,7 @@ def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, 
             # The keys' gradient adds up over the groups of heads: in order.
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")
         ),
-        cost_estimate=_cost(layout, qb, keys, written, 5),
+        cost_estimate=_cost(layout, inputs, qb, keys, written, 5),
         interpret=interpret,
         name="window_and_entries_attention_grad",
     )(*inputs)
