@@ -2,17 +2,18 @@
 
 The plain form (`nn.attend`'s blocks, in a chunked map) writes each block's float32 logits and
 probabilities for every head against its `2 * window` raw keys and, in CSA/HCA layers, every
-compressed entry, then reads them back: the largest per-query buffers of a prefill, which the
-math does not need. The kernel keeps them in the chip's on-core memory instead: per block of
-queries and group of heads, the window's softmax first, then the compressed entries a block
-at a time with a running maximum and denominator (the sink seeds the denominator, as in the
-plain form). It computes what the plain form computes, in another order: equal within float
-rounding. Its gradient is a second kernel of the same blocks and steps, from the output and
-each query's log denominator: the queries' and each block's keys' gradients whole, the
-entries' as each program's share, summed after it. On other backends the kernels run in
-Pallas' interpreter, which is how tests compare them with the plain form on CPU.
+compressed entry, then reads them back (a backward pass likewise their gradients), though the
+math needs none of them outside the core. The kernel keeps them in the chip's on-core memory:
+per block of queries and group of heads, the window's softmax first, then the compressed
+entries a block at a time with a running maximum and denominator (the sink seeds the
+denominator, as in the plain form). It computes what the plain form computes, in another
+order: equal within float rounding. Its gradient is a second kernel of the same blocks and
+steps, from the output and each query's log denominator: the queries' and each block's keys'
+gradients whole, the entries' as each program's share, summed after it. On other backends
+the kernels run in Pallas' interpreter, which is how tests compare them with the plain form
+on CPU.
 
-Under a mesh the kernel runs in a `shard_map`: each device its batch rows (`batch_axes`), its
+Under a mesh the kernels run in a `shard_map`: each device its batch rows (`batch_axes`), its
 part of the blocks when the sequence is split over `expert` (`sequence_parts`), and its heads
 when `tensor` splits them.
 """
