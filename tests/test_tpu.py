@@ -351,3 +351,30 @@ def test_pallas_kernels_are_charged_at_least_their_operands(estimate):
     ]
     count, short = hlo.pallas_shortfall(_KERNEL_HLO.replace("ESTIMATE", str(estimate)))
     assert (count, short) == (1, max(0, needed - estimate))
+
+
+def test_attention_kernels_fit_a_chip_at_v4_shapes():
+    # The attention kernels (`Policy.attention_kernel`), forward and backward, compiled by
+    # Mosaic for one v5p chip at a V4-Flash prefill's per-chip attention (512 queries, 64
+    # heads of 512, a 128-token window, 1024 compressed entries): with eight heads per
+    # program the backward kernel's blocks exceeded the compiler's scoped on-core memory
+    # (`CompileTimeScopedVmemOom`), which the tiny model's compiles never reach.
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+    mesh = Mesh(np.array(devices[:1]).reshape(1, 1, 1, 1), AXES, axis_types=(AxisType.Auto,) * 4)
+    b, t, h, k, w, m = 1, 512, 64, 512, 128, 1024
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    args = (spec((b, t, h, k)), spec((b, t, k)), spec((h,), jnp.float32), spec((b, m, k)))
+    mask = spec((b, t, m), jnp.bool_)
+    policy = ed.execution.Policy.for_platform("tpu")
+
+    def loss(q, kv, sinks, entries, mask):
+        out = ed.nn.attend(q, kv, sinks, w, compressed=entries, compressed_mask=mask, policy=policy)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args, mask).compile()
+    kernels = re.findall(r'op_name="[^"]*(window_and_entries_attention\w*)', compiled.as_text())
+    assert set(kernels) == {"window_and_entries_attention", "window_and_entries_attention_grad"}

@@ -36,8 +36,13 @@ from ._schedule import map_chunks
 
 # Compressed entries per kernel step: a block of them for a group of heads in on-core memory.
 ENTRY_BLOCK = 512
-# Query heads per kernel program: they share the program's reads of the keys and entries.
+# Query heads per program of the forward and of the backward kernel: they share the
+# program's reads of the keys and entries. The backward kernel holds more per head (the
+# output's cotangent, the queries' gradient): with eight heads and a float32 cotangent,
+# V4's shapes exceeded the TPU compiler's default scoped on-core memory; four heads and a
+# 16-bit cotangent each fit alone, and together leave room.
 HEAD_GROUP = 8
+BACKWARD_HEAD_GROUP = 4
 
 Blocks = Callable[..., Float[Array, "batch blocks queries heads head_dim"]]
 
@@ -123,10 +128,11 @@ class _Layout(typing.NamedTuple):
     block: int  # entries per step (0: none)
 
 
-def _layout(qb, keys, valid, c_valid, compressed, sinks) -> _Layout:
+def _layout(qb, keys, valid, c_valid, compressed, sinks, heads: int) -> _Layout:
+    # `heads` per program where they divide the heads, else all of them.
     b, nb, bq, h, k = qb.shape
     width = keys.shape[2]
-    group = HEAD_GROUP if h % HEAD_GROUP == 0 else h
+    group = heads if h % heads == 0 else h
     inputs = [
         sinks.astype(jnp.float32),
         qb.transpose(0, 1, 3, 2, 4),
@@ -181,7 +187,7 @@ def _forward(interpret, qb, keys, valid, c_valid, compressed, sinks):
     # The output [b, n, q, h, k] (float32) and each query's log denominator
     # [b, n, h, q, 1] (the backward kernel's residual).
     b, nb, bq, h, k = qb.shape
-    layout = _layout(qb, keys, valid, c_valid, compressed, sinks)
+    layout = _layout(qb, keys, valid, c_valid, compressed, sinks, HEAD_GROUP)
     group = layout.group
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, scale=k**-0.5, steps=layout.steps),
@@ -214,9 +220,11 @@ def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, 
     # the output, negated).
     b, nb, bq, h, k = qb.shape
     width = keys.shape[2]
-    layout = _layout(qb, keys, valid, c_valid, compressed, sinks)
+    layout = _layout(qb, keys, valid, c_valid, compressed, sinks, BACKWARD_HEAD_GROUP)
     group, steps, block = layout.group, layout.steps, layout.block
-    d_out = cotangent.transpose(0, 1, 3, 2, 4)
+    # In the queries' dtype: the products take it so (as the plain form's do), and in
+    # float32 its blocks would double in the core's memory.
+    d_out = cotangent.transpose(0, 1, 3, 2, 4).astype(qb.dtype)
     # D_i = dO_i . O_i, which every probability's gradient subtracts.
     along = jnp.sum(cotangent * out, axis=-1).transpose(0, 1, 3, 2)[..., None]
     inputs = [*layout.inputs, lse, d_out, along]
