@@ -631,3 +631,35 @@ def test_split_sequence_attends_on_each_device(parts):
     gathers = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)
     queries = [g for g in gathers if g.endswith(f"{h},{k}")]
     assert bool(queries) == (parts == 1), gathers
+
+
+def test_weights_gathered_axis_by_axis_compute_the_same():
+    # `Policy.gather_in_steps`: a product over many tokens gathers its weight one mesh axis at
+    # a time (a sharding constraint per factor of a dim viewed as [fsdp, expert, rest]: both
+    # dims here, four steps); its value and gradients are the plain product's. Not for a
+    # decode step's few tokens (`stationary_tokens`), nor on fewer chips than the threshold.
+    mesh = ed.make_mesh(fsdp=4, expert=2)
+    keys = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(keys[0], (32, 16))
+    x = jax.random.normal(keys[1], (4, 8, 16))
+    w = jax.device_put(w, NamedSharding(mesh, P("expert", "fsdp")))
+    policy = ed.execution.Policy(gather_in_steps=8, stationary_tokens=4)
+
+    def loss(x, w, policy):
+        return jnp.sum(jnp.sin(ed.execution.linear(x, w, policy)))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    with jax.set_mesh(mesh):
+        want = grad(x, w, ed.execution.Policy())
+        got = grad(x, w, policy)
+
+        def constraints(x, policy):
+            text = jax.jit(loss, static_argnums=2).lower(x, w, policy).as_text()
+            return text.count("sdy.sharding_constraint") + text.count("@Sharding")
+
+        assert constraints(x, policy) == 4
+        assert constraints(x[:, :1], policy) == 0  # 4 tokens: a decode step's
+        assert constraints(x, dataclasses.replace(policy, gather_in_steps=16)) == 0
+    np.testing.assert_allclose(got[0], want[0], **COMPONENT)
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(a, b, **COMPONENT)

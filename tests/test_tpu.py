@@ -93,6 +93,7 @@ def test_target_platform_follows_the_mesh(tpu_mesh):
             split_chunks=1024,
             experts_in_place=True,
             attention_kernel=True,
+            gather_in_steps=64,
         )
     )
     assert (
@@ -378,3 +379,39 @@ def test_attention_kernels_fit_a_chip_at_v4_shapes():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(*args, mask).compile()
     kernels = re.findall(r'op_name="[^"]*(window_and_entries_attention\w*)', compiled.as_text())
     assert set(kernels) == {"window_and_entries_attention", "window_and_entries_attention_grad"}
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((8192, 1024), P("expert", "fsdp")),  # wq_b, wo_a, the shared experts' w1 and w3
+        ((1024, 4096), P(None, ("fsdp", "expert"))),  # wq_a, wkv, the router, ...
+        ((4096, 2048), P(("fsdp", "expert"), None)),  # wo_b, the shared experts' w2
+    ],
+)
+def test_weights_gathered_axis_by_axis_on_64_chips(shape, spec):
+    # `Policy.gather_in_steps` (the TPU policy's, from 64 chips): on v5p:4x4x4 (fsdp 8 x
+    # expert 8) the TPU compiler gathers a prefill's dense weight, split over every chip, as
+    # an all-reduce of a zero-filled whole weight; one mesh axis at a time, as all-gathers,
+    # and fewer bytes in all. The weights' three placements under the default TPU rules.
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:4x4x4").devices
+    mesh = Mesh(np.array(devices).reshape(1, 8, 1, 8), AXES, axis_types=(AxisType.Auto,) * 4)
+    weight = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    x = jax.ShapeDtypeStruct(
+        (8, 1024, shape[1]), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", "expert"))
+    )
+    tpu = ed.execution.Policy.for_platform("tpu")
+    assert tpu.gather_in_steps == 64
+    compiled = {}
+    for steps in (0, 64):
+        policy = dataclasses.replace(tpu, gather_in_steps=steps)
+        with jax.set_mesh(mesh):
+            product = jax.jit(lambda x, w, p=policy: ed.execution.linear(x, w, p))
+            compiled[steps] = product.lower(x, weight).compile()
+    collectives = {
+        steps: re.findall(r" (all-reduce|all-gather)(?:-start)?\(", c.as_text())
+        for steps, c in compiled.items()
+    }
+    assert "all-reduce" in collectives[0] and "all-reduce" not in collectives[64], collectives
+    size = {steps: c.cost_analysis()["bytes accessed"] for steps, c in compiled.items()}
+    assert size[64] < size[0], size

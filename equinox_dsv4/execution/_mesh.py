@@ -6,6 +6,8 @@ convention: `data` and `fsdp` split the batch, `tensor` splits heads and hidden 
 `expert` splits the routed experts. A missing axis, or one of size 1, is not used.
 """
 
+import functools
+
 import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
@@ -103,3 +105,56 @@ def _stationary_axes(
         return None
     axes = [a for a in axes if mesh_axis(a) > 1]
     return tuple(axes) if axes and width % _product(axes) == 0 else None
+
+
+def gathered_in_steps(weight: Array, tokens: int, policy: Policy | None) -> Array:
+    """A dense weight `[out, in]` that a product over `tokens` tokens reads whole (more than
+    `policy.stationary_tokens`: a prefill, a train step), gathered one mesh axis at a time on
+    a mesh of at least `policy.gather_in_steps` chips of `fsdp x expert`: its input dim over
+    `expert`, then over `fsdp`, then its output dim likewise. There XLA's TPU compiler
+    gathers a weight split over both axes at once as an all-reduce of a zero-filled buffer
+    of the whole weight, then relays it out; axis by axis, each step is an all-gather among
+    one axis's chips. Each dim divisible by `fsdp x expert` is viewed as
+    `[fsdp, expert, rest]`, so that a dim split over both, or over one, is gathered one axis
+    at a time whatever the placement (a constraint per step, each replicating one factor).
+    The gradient is not constrained: XLA reduce-scatters it to the weight's placement as
+    before. Unchanged without such a mesh, for few tokens, or for other shapes."""
+    f, e = mesh_axis("fsdp"), mesh_axis("expert")
+    steps = policy is not None and 0 < policy.gather_in_steps <= f * e
+    if not steps or weight.ndim != 2 or tokens <= policy.stationary_tokens:
+        return weight
+    return _in_steps(weight, f, e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _in_steps(weight, f, e):
+    # The input dim, then the output dim: a dim divisible by f x e viewed as [f, e, rest]
+    # (the other dim whole, or left as it is), its `expert` factor replicated, then its
+    # `fsdp` factor; another dim replicated in one step. Viewing both dims at once made XLA
+    # relay the weight out between the steps.
+    w = weight
+    for dim in (1, 0):
+        n = w.shape[dim]
+        if n % (f * e):
+            spec = [P.UNCONSTRAINED] * 2
+            spec[dim] = None
+            w = jax.lax.with_sharding_constraint(w, P(*spec))
+            continue
+        view = w.reshape(w.shape[:dim] + (f, e, n // (f * e)) + w.shape[dim + 1 :])
+        spec = [P.UNCONSTRAINED] * 4
+        spec[dim + 1] = spec[dim + 2] = None
+        view = jax.lax.with_sharding_constraint(view, P(*spec))
+        spec[dim] = None
+        w = jax.lax.with_sharding_constraint(view, P(*spec)).reshape(w.shape)
+    return w
+
+
+def _in_steps_fwd(weight, f, e):
+    return _in_steps(weight, f, e), None
+
+
+def _in_steps_bwd(f, e, _, cotangent):
+    return (cotangent,)
+
+
+_in_steps.defvjp(_in_steps_fwd, _in_steps_bwd)

@@ -104,6 +104,11 @@ class Policy:
       and probabilities on the core (`attend_blocks`), instead of writing them to memory and
       reading them back; its gradient is the plain form's. Off TPUs it runs in Pallas'
       interpreter (tests).
+    - `gather_in_steps`: a dense weight that a product over many tokens (more than
+      `stationary_tokens`) reads whole, on a mesh of at least this many `fsdp x expert`
+      chips (0: none), is gathered one mesh axis at a time (`gathered_in_steps`), not over
+      every chip at once, which XLA's TPU compiler does there as an all-reduce of a
+      zero-filled whole weight. On fewer chips it gathers them directly, for less.
     - `rolled_sinkhorn`: the mHC Sinkhorn rounds as a loop rather than unrolled. XLA's GPU
       compiler tries to tile every unrolled normalisation as a Triton fusion, which for
       V4's rounds at every mHC site makes a full-size compile impractically slow
@@ -130,6 +135,7 @@ class Policy:
     experts_in_place: bool = False
     rolled_sinkhorn: bool = False
     attention_kernel: bool = False
+    gather_in_steps: int = 0
 
     def __post_init__(self):
         if self.experts not in ("loop", "ragged"):
@@ -142,6 +148,7 @@ class Policy:
             "stationary_tokens",
             "split_chunks",
             "picks_in_place",
+            "gather_in_steps",
         )
         for name in counts:
             value = getattr(self, name)
@@ -173,6 +180,7 @@ class Policy:
                 split_chunks=1024,
                 experts_in_place=True,
                 attention_kernel=True,
+                gather_in_steps=64,
             )
         if platform != "cpu":
             return cls(platform, experts="ragged", rolled_sinkhorn=platform == "gpu")

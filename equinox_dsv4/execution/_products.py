@@ -2,13 +2,15 @@
 result where the backend converts 16-bit operands), the attention's grouped output projection
 (one matmul per group, or one einsum), and the argmax of greedy sampling."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
 from ..quant import LoraWeight, QuantizedWeight, dense
-from ._mesh import mesh_axis
+from ._mesh import gathered_in_steps, mesh_axis
 from ._policy import Policy, resolve
 
 
@@ -41,6 +43,8 @@ def linear(
         return y + lora_delta(x, weight, policy).astype(y.dtype)
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize()
+    else:
+        weight = gathered_in_steps(weight, math.prod(x.shape[:-1]), resolve(policy))
     if x.dtype != weight.dtype:
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
@@ -107,6 +111,8 @@ def grouped_linear(
         return y + delta.astype(y.dtype)
     policy = resolve(policy)
     b, s, g, _ = x.shape
+    if not isinstance(weight, QuantizedWeight):
+        weight = gathered_in_steps(weight, b * s, policy)
     w = dense(weight, x.dtype).reshape(g, -1, x.shape[-1])
     few = b * s <= policy.few_tokens
     per_group = policy.group_matmuls and (not few or policy.narrow(x))
