@@ -37,11 +37,11 @@ from ._schedule import map_chunks
 # Compressed entries per kernel step: a block of them for a group of heads in on-core memory.
 ENTRY_BLOCK = 512
 # Query heads per program of the forward and of the backward kernel: they share the
-# program's reads of the keys and entries. The backward kernel holds more per head (the
-# output's cotangent, the queries' gradient): with eight heads and a float32 cotangent,
-# V4's shapes exceeded the TPU compiler's default scoped on-core memory; four heads and a
-# 16-bit cotangent each fit alone, and together leave room.
-HEAD_GROUP = 8
+# program's reads of the keys and entries. With eight, V4's shapes exceeded the TPU
+# compiler's default scoped on-core memory: the backward kernel's with a float32 cotangent,
+# the forward kernel's by 4% in a V4-Flash train step's forward pass (not in the same
+# kernel compiled alone). Four heads leave room in both.
+HEAD_GROUP = 4
 BACKWARD_HEAD_GROUP = 4
 
 Blocks = Callable[..., Float[Array, "batch blocks queries heads head_dim"]]
