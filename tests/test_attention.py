@@ -205,3 +205,38 @@ def test_attention_kernel_equals_the_plain_form(mesh):
     np.testing.assert_allclose(got, want, **COMPONENT)
     for name, a, b_ in zip(("q", "kv", "sinks", "entries"), got_grads, want_grads, strict=True):
         np.testing.assert_allclose(a, b_, **COMPONENT, err_msg=name)
+
+
+def test_attention_kernel_in_bfloat16():
+    # In a bf16 model the forward kernel writes its output in bf16 and the backward kernel
+    # reads it back so for D = dO . O (as FlashAttention's backward does): the outputs and
+    # gradients are the plain form's to bf16 precision.
+    b, t, h, k, w, m = 1, 64, 8, 128, 8, 300
+    keys = jax.random.split(jax.random.key(4), 6)
+    bf16 = jnp.bfloat16
+    q = jax.random.normal(keys[0], (b, t, h, k), bf16)
+    kv = jax.random.normal(keys[1], (b, t, k), bf16)
+    sinks = jax.random.normal(keys[2], (h,))
+    entries = jax.random.normal(keys[3], (b, m, k), bf16)
+    mask = jax.random.bernoulli(keys[4], 0.3, (b, t, m))
+    cotangent = jax.random.normal(keys[5], (b, t, h, k))
+
+    def loss(policy, q, kv, sinks, entries):
+        out = attend(q, kv, sinks, w, compressed=entries, compressed_mask=mask, policy=policy)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
+    args = (q, kv, sinks, entries)
+    (_, want), want_grads = grad(ed.execution.Policy(), *args)
+    assert _kernels(lambda *a: grad(KERNEL, *a), *args) == 2
+    (_, got), got_grads = grad(KERNEL, *args)
+    assert got.dtype == bf16
+    # Both round the probabilities to bf16 for the values' product, in another order (the
+    # kernel's running maximum): the outputs differ by that rounding, relative to their scale.
+    want, got = np.asarray(want, float), np.asarray(got, float)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=2**-8 * np.abs(want).max())
+    for name, a, b_ in zip(("q", "kv", "sinks", "entries"), got_grads, want_grads, strict=True):
+        a, b_ = np.asarray(a, float), np.asarray(b_, float)
+        # bf16 operands throughout: the gradients' error is the inputs' rounding, relative to
+        # their largest entry.
+        np.testing.assert_allclose(a, b_, rtol=0, atol=2e-2 * np.abs(b_).max(), err_msg=name)

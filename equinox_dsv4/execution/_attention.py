@@ -63,7 +63,7 @@ def attend_blocks(
     query blocks, in the policy's form: chunks of `size` blocks in `parts` sequence parts
     (`map_chunks`), or for more than `policy.few_tokens` queries per sequence the kernel
     (`Policy.attention_kernel`), whose output and gradient equal the plain form's within
-    float rounding.
+    float rounding (its output in `qb`'s dtype, the plain form's in float32).
 
     `qb`: each block's queries; `keys`: its raw keys, of which query `i` sees key `j` for
     `i < j <= i + keys - queries` where `valid`; `c_valid`: which compressed entries each
@@ -118,9 +118,12 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 class _Layout(typing.NamedTuple):
-    # The kernels' operands, heads ahead of the queries (a program's blocks are
-    # [queries, head_dim] per head), and their specs over the grid (rows, blocks, groups of
-    # heads, steps of entries).
+    # The kernels' operands and their specs over the grid (rows, blocks, groups of heads,
+    # steps of entries). The queries (and the output, its cotangent and the queries'
+    # gradient) as the model lays them out, `[b, n, q, heads * head_dim]`: a program's block
+    # is its group's heads side by side along the lanes, `[queries, group * head_dim]`, each
+    # head a lane slice (`_head`). With the heads ahead of the queries, each of these was a
+    # transposed copy in memory.
     inputs: list
     specs: list
     group: int
@@ -135,13 +138,13 @@ def _layout(qb, keys, valid, c_valid, compressed, sinks, heads: int) -> _Layout:
     group = heads if h % heads == 0 else h
     inputs = [
         sinks.astype(jnp.float32),
-        qb.transpose(0, 1, 3, 2, 4),
+        qb.reshape(b, nb, bq, h * k),
         keys,
         valid.astype(jnp.float32)[:, :, None, :],
     ]
     specs = [
         pl.BlockSpec(memory_space=pltpu.SMEM),
-        _per_head(group, bq, k),
+        _lanes(group, bq, k),
         pl.BlockSpec((None, None, width, k), lambda i, n, g, c: (i, n, 0, 0)),
         pl.BlockSpec((None, None, 1, width), lambda i, n, g, c: (i, n, 0, 0)),
     ]
@@ -167,6 +170,15 @@ def _per_head(group, bq, last):  # [b, n, h, q, last], a group of heads per prog
     return pl.BlockSpec((None, None, group, bq, last), lambda i, n, g, c: (i, n, g, 0, 0))
 
 
+def _lanes(group, bq, k):  # [b, n, q, h * k], a group of heads per program
+    return pl.BlockSpec((None, None, bq, group * k), lambda i, n, g, c: (i, n, 0, g))
+
+
+def _head(g: int, k: int) -> tuple:
+    # Head `g` of a `_lanes` block: its lane slice.
+    return (slice(None), pl.ds(g * k, k))
+
+
 def _cost(layout: _Layout, inputs, qb, keys, written: int, products: int) -> pl.CostEstimate:
     # Every operand of `inputs` read once, the entries once more per further group of heads,
     # `written` bytes written; `products` matmuls over each query's keys and entries.
@@ -184,20 +196,23 @@ def _cost(layout: _Layout, inputs, qb, keys, written: int, products: int) -> pl.
 
 
 def _forward(interpret, qb, keys, valid, c_valid, compressed, sinks):
-    # The output [b, n, q, h, k] (float32) and each query's log denominator
-    # [b, n, h, q, 1] (the backward kernel's residual).
+    # The output [b, n, q, h, k] and each query's log denominator [b, n, h, q, 1] (the
+    # backward kernel's residual). The output in the queries' dtype, which the caller takes
+    # (`nn.attend`): written so, not as float32 converted after; the backward kernel reads
+    # it so too (`_backward`).
     b, nb, bq, h, k = qb.shape
+    dtype = qb.dtype
     layout = _layout(qb, keys, valid, c_valid, compressed, sinks, HEAD_GROUP)
     group = layout.group
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, scale=k**-0.5, steps=layout.steps),
         out_shape=(
-            jax.ShapeDtypeStruct((b, nb, h, bq, k), jnp.float32),
+            jax.ShapeDtypeStruct((b, nb, bq, h * k), dtype),
             jax.ShapeDtypeStruct((b, nb, h, bq, 1), jnp.float32),
         ),
         grid=(b, nb, h // group, layout.steps),
         in_specs=layout.specs,
-        out_specs=(_per_head(group, bq, k), _per_head(group, bq, 1)),
+        out_specs=(_lanes(group, bq, k), _per_head(group, bq, 1)),
         scratch_shapes=[
             pltpu.VMEM((group, bq, 128), jnp.float32),  # running maximum, lane-broadcast
             pltpu.VMEM((group, bq, 128), jnp.float32),  # running denominator
@@ -206,11 +221,18 @@ def _forward(interpret, qb, keys, valid, c_valid, compressed, sinks):
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
-        cost_estimate=_cost(layout, layout.inputs, qb, keys, b * nb * h * bq * (k + 1) * 4, 2),
+        cost_estimate=_cost(
+            layout,
+            layout.inputs,
+            qb,
+            keys,
+            b * nb * h * bq * (k * jnp.dtype(dtype).itemsize + 4),
+            2,
+        ),
         interpret=interpret,
         name="window_and_entries_attention",
     )(*layout.inputs)
-    return out.transpose(0, 1, 3, 2, 4), lse
+    return out.reshape(b, nb, bq, h, k), lse
 
 
 def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, cotangent):
@@ -224,32 +246,38 @@ def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, 
     group, steps, block = layout.group, layout.steps, layout.block
     # In the queries' dtype: the products take it so (as the plain form's do), and in
     # float32 its blocks would double in the core's memory.
-    d_out = cotangent.transpose(0, 1, 3, 2, 4).astype(qb.dtype)
-    # D_i = dO_i . O_i, which every probability's gradient subtracts.
-    along = jnp.sum(cotangent * out, axis=-1).transpose(0, 1, 3, 2)[..., None]
-    inputs = [*layout.inputs, lse, d_out, along]
-    specs = [*layout.specs, _per_head(group, bq, 1), _per_head(group, bq, k)]
-    specs.append(_per_head(group, bq, 1))
+    d_out = cotangent.reshape(b, nb, bq, h * k).astype(qb.dtype)
+    # The output whole, from which the kernel takes D_i = dO_i . O_i (which every
+    # probability's gradient subtracts) and writes it out for the sinks' gradient: computed
+    # here, heads ahead of the queries, its operands were relaid out in memory first. The
+    # output is in the queries' dtype (16-bit in a bf16 model, as FlashAttention's backward
+    # reads it): the cotangent dO is no wider, and a float32 copy kept for D alone was
+    # written and read again in every layer.
+    inputs = [*layout.inputs, lse, d_out, out.reshape(b, nb, bq, h * k)]
+    specs = [*layout.specs, _per_head(group, bq, 1), _lanes(group, bq, k), _lanes(group, bq, k)]
     out_shape = [
-        jax.ShapeDtypeStruct((b, nb, h, bq, k), jnp.float32),
+        jax.ShapeDtypeStruct((b, nb, bq, h * k), qb.dtype),  # summed in float32 (scratch)
         jax.ShapeDtypeStruct((b, nb, width, k), jnp.float32),
+        jax.ShapeDtypeStruct((b, nb, h, bq, 1), jnp.float32),
     ]
     out_specs = [
-        _per_head(group, bq, k),
+        _lanes(group, bq, k),
         pl.BlockSpec((None, None, width, k), lambda i, n, g, c: (i, n, 0, 0)),
+        _per_head(group, bq, 1),
     ]
     if block:  # each program's share of the entries' gradient: [b, n, groups, entries, k]
         shape = (b, nb, h // group, steps * block, k)
         out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
         spec = pl.BlockSpec((None, None, None, block, k), lambda i, n, g, c: (i, n, g, c, 0))
         out_specs.append(spec)
-    written = sum(s.size * 4 for s in out_shape)
+    written = sum(s.size * jnp.dtype(s.dtype).itemsize for s in out_shape)
     grads = pl.pallas_call(
-        functools.partial(_backward_kernel, scale=k**-0.5, with_entries=bool(block)),
+        functools.partial(_backward_kernel, scale=k**-0.5, steps=steps, with_entries=bool(block)),
         out_shape=out_shape,
         grid=(b, nb, h // group, steps),
         in_specs=specs,
         out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((bq, group * k), jnp.float32)],  # the queries' gradient
         compiler_params=pltpu.CompilerParams(
             # The keys' gradient adds up over the groups of heads: in order.
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")
@@ -258,12 +286,13 @@ def _backward(interpret, qb, keys, valid, c_valid, compressed, sinks, out, lse, 
         interpret=interpret,
         name="window_and_entries_attention_grad",
     )(*inputs)
-    d_q = grads[0].transpose(0, 1, 3, 2, 4).astype(qb.dtype)
+    d_q = grads[0].reshape(b, nb, bq, h, k)
     d_keys = grads[1].astype(keys.dtype)
+    along = grads[2]
     d_entries = None
     if block:
         m = compressed.shape[1]
-        d_entries = jnp.sum(grads[2], axis=(1, 2))[:, :m].astype(compressed.dtype)
+        d_entries = jnp.sum(grads[3], axis=(1, 2))[:, :m].astype(compressed.dtype)
     sink_probs = jnp.exp(sinks.astype(jnp.float32)[None, None, :, None] - lse[..., 0])
     d_sinks = -jnp.sum(sink_probs * along[..., 0], axis=(0, 1, 3)).astype(sinks.dtype)
     return d_q, d_keys, None, None, d_entries, d_sinks
@@ -307,8 +336,9 @@ def _forward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps):
         c_ref = seen_ref = None
         o_ref, lse_ref, max_ref, den_ref, acc_ref = refs
     # Read outside the conditional blocks, which Pallas' interpreter cannot read them in.
-    step, first_head = pl.program_id(3), pl.program_id(2) * q_ref.shape[0]
-    group = q_ref.shape[0]
+    k = k_ref.shape[-1]
+    group = q_ref.shape[-1] // k
+    step, first_head = pl.program_id(3), pl.program_id(2) * group
     scores, values, _ = _products(q_ref)
 
     def lanes(x):  # [queries, 1] -> [queries, 128]
@@ -317,9 +347,9 @@ def _forward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps):
     @pl.when(step == 0)
     def _window():
         keys = k_ref[...]
-        seen = _window_seen(q_ref.shape[1], keys.shape[0], valid_ref)
+        seen = _window_seen(q_ref.shape[0], keys.shape[0], valid_ref)
         for g in range(group):
-            s = jnp.where(seen, scores(q_ref[g], keys) * scale, -jnp.inf)
+            s = jnp.where(seen, scores(q_ref[_head(g, k)], keys) * scale, -jnp.inf)
             sink = sinks_ref[first_head + g]
             top = jnp.maximum(jnp.max(s, axis=1, keepdims=True), sink)
             p = jnp.exp(s - top)
@@ -331,7 +361,7 @@ def _forward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps):
         entries = c_ref[...]
         seen = seen_ref[...] > 0.5
         for g in range(group):
-            s = jnp.where(seen, scores(q_ref[g], entries) * scale, -jnp.inf)
+            s = jnp.where(seen, scores(q_ref[_head(g, k)], entries) * scale, -jnp.inf)
             before = max_ref[g][:, :1]
             top = jnp.maximum(before, jnp.max(s, axis=1, keepdims=True))
             alpha = jnp.exp(before - top)
@@ -344,39 +374,47 @@ def _forward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps):
     def _out():
         for g in range(group):
             den = den_ref[g][:, :1]
-            o_ref[g] = (acc_ref[g] / den).astype(o_ref.dtype)
+            o_ref[_head(g, k)] = (acc_ref[g] / den).astype(o_ref.dtype)
             lse_ref[g] = max_ref[g][:, :1] + jnp.log(den)
 
 
-def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, with_entries):
-    # dS = P (dP - D) with dP = dO . V: the queries' gradient is scale dS . K; a key's,
-    # scale dS^T . Q as a key plus P^T . dO as a value (the same rows: K = V).
+def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, with_entries):
+    # dS = P (dP - D) with dP = dO . V: the queries' gradient is scale dS . K, summed over
+    # the steps in `dq_acc` (float32) and written out in the queries' dtype after the last;
+    # a key's, scale dS^T . Q as a key plus P^T . dO as a value (the same rows: K = V).
     del sinks_ref  # in the log denominators already
     if with_entries:
-        c_ref, seen_ref, lse_ref, do_ref, along_ref, dq_ref, dk_ref, dc_ref = refs
+        c_ref, seen_ref, lse_ref, do_ref, o_ref, dq_ref, dk_ref, along_ref, dc_ref, dq_acc = refs
     else:
         c_ref = seen_ref = dc_ref = None
-        lse_ref, do_ref, along_ref, dq_ref, dk_ref = refs
+        lse_ref, do_ref, o_ref, dq_ref, dk_ref, along_ref, dq_acc = refs
     # Read outside the conditional blocks, which Pallas' interpreter cannot read them in.
     step, first_group = pl.program_id(3), pl.program_id(2) == 0
-    group = q_ref.shape[0]
+    k = k_ref.shape[-1]
+    group = q_ref.shape[-1] // k
     scores, values, transposed = _products(q_ref)
 
+    def along(g):  # D_i of head g's queries: dO_i . O_i, [queries, 1]
+        d_o, o = (r[_head(g, k)].astype(jnp.float32) for r in (do_ref, o_ref))
+        return jnp.sum(d_o * o, axis=1, keepdims=True)
+
     def grads(g, rows, seen):  # head g against `rows` (keys or entries): dS and P
-        s = jnp.where(seen, scores(q_ref[g], rows) * scale, -jnp.inf)
+        s = jnp.where(seen, scores(q_ref[_head(g, k)], rows) * scale, -jnp.inf)
         p = jnp.exp(s - lse_ref[g])
-        d_s = p * (scores(do_ref[g].astype(rows.dtype), rows) - along_ref[g])
+        d_s = p * (scores(do_ref[_head(g, k)].astype(rows.dtype), rows) - along(g))
         return d_s, p
 
     @pl.when(step == 0)
     def _window():
         keys = k_ref[...]
-        seen = _window_seen(q_ref.shape[1], keys.shape[0], valid_ref)
+        seen = _window_seen(q_ref.shape[0], keys.shape[0], valid_ref)
         d_k = jnp.zeros(dk_ref.shape, jnp.float32)
         for g in range(group):
             d_s, p = grads(g, keys, seen)
-            dq_ref[g] = values(d_s, keys) * scale
-            d_k += transposed(d_s, q_ref[g]) * scale + transposed(p, do_ref[g].astype(keys.dtype))
+            q, d_o = q_ref[_head(g, k)], do_ref[_head(g, k)].astype(keys.dtype)
+            dq_acc[_head(g, k)] = values(d_s, keys) * scale
+            d_k += transposed(d_s, q) * scale + transposed(p, d_o)
+            along_ref[g] = along(g)
         dk_ref[...] = jnp.where(first_group, d_k, dk_ref[...] + d_k)
 
     if c_ref is not None:
@@ -385,7 +423,11 @@ def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, with_entr
         d_c = jnp.zeros(dc_ref.shape, jnp.float32)
         for g in range(group):
             d_s, p = grads(g, entries, seen)
-            dq_ref[g] += values(d_s, entries) * scale
-            d_o = do_ref[g].astype(entries.dtype)
-            d_c += transposed(d_s, q_ref[g]) * scale + transposed(p, d_o)
+            dq_acc[_head(g, k)] += values(d_s, entries) * scale
+            d_o = do_ref[_head(g, k)].astype(entries.dtype)
+            d_c += transposed(d_s, q_ref[_head(g, k)]) * scale + transposed(p, d_o)
         dc_ref[...] = d_c
+
+    @pl.when(step == steps - 1)
+    def _out():
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
