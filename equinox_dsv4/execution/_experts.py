@@ -122,7 +122,16 @@ def expert_parallel(
 
     few = x.shape[0] * indices.shape[1] <= policy.stationary_rows
     stay = up and _weights_stay(x, indices, b1, tokens, policy)
+    outputs = tokens
     if (few or stay) and None not in split.values():
+        # Many tokens split over fsdp (a prefill's, a train step's): over `expert` too, on
+        # the way in and out. In, each device gathers its fsdp x expert group's tokens (as the
+        # boundary's gather over `expert` and its own over fsdp did); out, the partial sums
+        # are reduce-scattered over `expert` to the devices that own their tokens, where
+        # summing them on every device of `expert` moved them all there and back.
+        scatter = not few and not spread and _splits(x.shape[0], tokens, "expert")
+        if scatter:
+            outputs = (*tokens, "expert")
         local = functools.partial(
             _stationary,
             act=(limit, numerics),
@@ -131,6 +140,7 @@ def expert_parallel(
             reduce=reduce,
             policy=policy,
             many=not few,
+            scatter=scatter,
         )
     else:
         local = functools.partial(
@@ -141,7 +151,7 @@ def expert_parallel(
             reduce=reduce,
             policy=policy,
         )
-    row = P(tokens, None)
+    row = P(outputs, None)
     hidden = tuple(a for a in (tensor, fsdp if up else None) if a) or None
     if hidden is not None and len(hidden) == 1:
         hidden = hidden[0]
@@ -153,6 +163,12 @@ def expert_parallel(
     if layer is not None:
         args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=row)(*args)
+
+
+def _splits(n: int, axes: tuple[str, ...] | None, axis: str) -> bool:
+    # Whether `n` rows split over `axes` split over `axis` as well.
+    split = math.prod(map(mesh_axis, axes or ()))
+    return mesh_axis(axis) > 1 and n % (mesh_axis(axis) * split) == 0
 
 
 def _weights_stay(x, indices, w1, tokens, policy: Policy) -> bool:
@@ -217,7 +233,7 @@ def _gathering(x, indices, weights, w1, w2, w3, layer=None, *, act, axes, spread
 
 
 def _stationary(
-    x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, reduce, policy, many
+    x, indices, weights, w1, w2, w3, layer=None, *, act, up, split, reduce, policy, many, scatter
 ):
     # Few tokens: the tokens of this fsdp group (gathered when `split` over fsdp) through this
     # device's slice of its experts' weights: of `w1`/`w3`'s hidden units (`up`) or of their
@@ -226,11 +242,15 @@ def _stationary(
     # `up`): the assignments to this device's experts sorted by expert and run by ragged dots
     # in rounds (`_ragged_rounds`), each round's hidden units gathered over fsdp. Every
     # device of an fsdp group holds the same tokens and experts, so all of them run the
-    # same rounds and meet in each round's gather.
+    # same rounds and meet in each round's gather. `scatter`: the tokens split over
+    # `expert` as well, gathered over it first (one axis at a time: over both at once, the
+    # TPU compiler gathers into a zero-filled buffer summed across the group), and their
+    # outputs returned so.
     if split:
-        x, indices, weights = (
-            jax.lax.all_gather(a, "fsdp", tiled=True) for a in (x, indices, weights)
-        )
+        for axis in ("expert", "fsdp") if scatter else ("fsdp",):
+            x, indices, weights = (
+                jax.lax.all_gather(a, axis, tiled=True) for a in (x, indices, weights)
+            )
     n_local, width = w2.shape[-3], w2.shape[-2]
     local_ids, mine_weights = _mine(indices, weights, n_local)
     tokens, top_k = indices.shape
@@ -279,6 +299,12 @@ def _stationary(
         y = jnp.sum(products(act_quant(h, numerics), w2), axis=1)
     else:
         y = _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
+    if scatter:  # each device's tokens back to it, whole `d_model`, summed on the way
+        parts = mesh_axis("fsdp"), mesh_axis("expert")
+        y = jax.lax.psum(y, reduce[1:]) if reduce[1:] else y  # over `tensor`
+        y = y.reshape(parts[0], parts[1], -1, width)  # [fsdp, expert, tokens, width]
+        y = jax.lax.psum_scatter(y, "expert", scatter_dimension=1, tiled=True)[:, 0]
+        return jax.lax.all_to_all(y, "fsdp", 0, 2, tiled=True).reshape(-1, width * parts[0])
     if split:  # each device's tokens back to it, whole `d_model`
         return jax.lax.all_to_all(jax.lax.psum(y, reduce), "fsdp", 0, 1, tiled=True)
     # Every fsdp device holds the same tokens: its slice of `d_model` in place, summed over
