@@ -219,7 +219,10 @@ def _ragged_rows(size, x, weights, expert, w1, w2, w3, *, top_k, act, hidden):
         token = picked // top_k
         sizes = jnp.clip(ends - start, 0, size) - jnp.clip(ends - counts - start, 0, size)
         ys = _grouped_mlp(x[token], flat_weights[picked], sizes, w1, w2, w3, act, hidden)
-        return y.at[token].add(jnp.where(held[:, None], ys.astype(jnp.float32), 0.0))
+        # The rows a round holds no assignment in are dropped by their index (out of range),
+        # not zeroed first: a select over every row was written and read again.
+        target = jnp.where(held, token, x.shape[0])
+        return y.at[target].add(ys.astype(jnp.float32), mode="drop")
 
     y = varying_like(jnp.zeros((x.shape[0], w2.shape[1]), jnp.float32), x)
     return in_rounds(y, expert, w1.shape[0], size, run)
