@@ -41,15 +41,16 @@ def linear(
     if isinstance(weight, LoraWeight):
         y = linear(x, weight.base, policy, dtype=dtype, precision=precision)
         return y + lora_delta(x, weight, policy).astype(y.dtype)
+    policy = resolve(policy)
     if isinstance(weight, QuantizedWeight):
         weight = weight.dequantize()
     else:
-        weight = gathered_in_steps(weight, math.prod(x.shape[:-1]), resolve(policy))
+        weight = gathered_in_steps(weight, math.prod(x.shape[:-1]), policy)
     if x.dtype != weight.dtype:
         common = wider_dtype(x, weight)
         x, weight = x.astype(common), weight.astype(common)
     out_dtype = x.dtype if dtype is None else dtype
-    if resolve(policy).narrow(x):
+    if policy.narrow(x):
         return linear_widened(x, weight, out_dtype)
     return jnp.einsum(
         "...i,oi->...o", x, weight, preferred_element_type=out_dtype, precision=precision
