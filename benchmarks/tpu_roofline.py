@@ -175,7 +175,9 @@ _ROUND = r"moe/shard_map/while/.*cond"
 # The parts of the model, by the op names JAX gives their operations (a regular expression
 # searched for; the first match wins).
 PARTS = (
-    (r"moe/shard_map/all_gather", "routed experts: weights gathered over fsdp"),
+    # The experts' weights gathered over fsdp (`_gathering`), or where the weights stay, the
+    # tokens gathered over expert and fsdp (`_stationary`).
+    (r"moe/shard_map/all_gather", "routed experts: tokens or weights gathered"),
     # A round of a device's own assignments (`Policy.expert_buffer`): a branch in a loop.
     (_ROUND + r"/.*dot_general", "routed experts: the products"),
     (_ROUND + r"/.*gather", "routed experts: rows or weights gathered per assignment"),
