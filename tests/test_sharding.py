@@ -273,6 +273,11 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, s
     assert "ragged_dot" in jaxpr and ("scan" in jaxpr) == bool(buffer)
     assert not buffer or f"length={rows // share}" in jaxpr
     assert ("all_to_all" in jaxpr) == stays  # the tokens' way back (the weights' gather: not)
+    # Where the weights stay, the tokens enter and leave split over expert too: the partial
+    # outputs are reduce-scattered over it, not summed on every device.
+    with jax.set_mesh(mesh):
+        forward = str(jax.make_jaxpr(lambda e, x: e(x, ids, w))(sharded, x))
+    assert ("reduce_scatter" in forward) == stays
     np.testing.assert_allclose(got, want, **COMPONENT)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         # Each gradient sums 128 assignments' terms, in another order on each mesh; an
