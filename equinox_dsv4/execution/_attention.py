@@ -394,14 +394,10 @@ def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, wi
     group = q_ref.shape[-1] // k
     scores, values, transposed = _products(q_ref)
 
-    def along(g):  # D_i of head g's queries: dO_i . O_i, [queries, 1]
-        d_o, o = (r[_head(g, k)].astype(jnp.float32) for r in (do_ref, o_ref))
-        return jnp.sum(d_o * o, axis=1, keepdims=True)
-
     def grads(g, rows, seen):  # head g against `rows` (keys or entries): dS and P
         s = jnp.where(seen, scores(q_ref[_head(g, k)], rows) * scale, -jnp.inf)
         p = jnp.exp(s - lse_ref[g])
-        d_s = p * (scores(do_ref[_head(g, k)].astype(rows.dtype), rows) - along(g))
+        d_s = p * (scores(do_ref[_head(g, k)].astype(rows.dtype), rows) - along_ref[g])
         return d_s, p
 
     @pl.when(step == 0)
@@ -410,11 +406,14 @@ def _backward_kernel(sinks_ref, q_ref, k_ref, valid_ref, *refs, scale, steps, wi
         seen = _window_seen(q_ref.shape[0], keys.shape[0], valid_ref)
         d_k = jnp.zeros(dk_ref.shape, jnp.float32)
         for g in range(group):
+            # D_i = dO_i . O_i of head g's queries, once: the later steps read it back from
+            # its output block, which stays in the core while the program's steps run.
+            d_o, o = (r[_head(g, k)].astype(jnp.float32) for r in (do_ref, o_ref))
+            along_ref[g] = jnp.sum(d_o * o, axis=1, keepdims=True)
             d_s, p = grads(g, keys, seen)
             q, d_o = q_ref[_head(g, k)], do_ref[_head(g, k)].astype(keys.dtype)
             dq_acc[_head(g, k)] = values(d_s, keys) * scale
             d_k += transposed(d_s, q) * scale + transposed(p, d_o)
-            along_ref[g] = along(g)
         dk_ref[...] = jnp.where(first_group, d_k, dk_ref[...] + d_k)
 
     if c_ref is not None:

@@ -301,7 +301,8 @@ def _stationary(
         y = _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
     if scatter:  # each device's tokens back to it, whole `d_model`, summed on the way
         parts = mesh_axis("fsdp"), mesh_axis("expert")
-        y = jax.lax.psum(y, reduce[1:]) if reduce[1:] else y  # over `tensor`
+        others = tuple(a for a in reduce if a != "expert")  # `tensor`, where it splits
+        y = jax.lax.psum(y, others) if others else y
         y = y.reshape(parts[0], parts[1], -1, width)  # [fsdp, expert, tokens, width]
         y = jax.lax.psum_scatter(y, "expert", scatter_dimension=1, tiled=True)[:, 0]
         return jax.lax.all_to_all(y, "fsdp", 0, 2, tiled=True).reshape(-1, width * parts[0])
