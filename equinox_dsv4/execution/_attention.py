@@ -39,8 +39,8 @@ ENTRY_BLOCK = 512
 # Query heads per program of the forward and of the backward kernel: they share the
 # program's reads of the keys and entries. With eight, V4's shapes exceeded the TPU
 # compiler's default scoped on-core memory: the backward kernel's with a float32 cotangent,
-# the forward kernel's by 4% in a V4-Flash train step's forward pass (not in the same
-# kernel compiled alone). Four heads leave room in both.
+# the forward kernel's in a V4-Flash train step's forward pass (not in the same kernel
+# compiled alone). Four heads leave room in both.
 HEAD_GROUP = 4
 BACKWARD_HEAD_GROUP = 4
 
