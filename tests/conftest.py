@@ -36,7 +36,7 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import compile_with_classic_cpu_emitters  # noqa: E402
+from helpers import collect_garbage_less_often, compile_with_classic_cpu_emitters  # noqa: E402
 
 
 # `pytest --compile-report`: seconds spent tracing and compiling, per test file.
@@ -44,6 +44,7 @@ pytest_plugins = ("compile_report",)
 
 # The suite compiles far more than it runs (helpers.py says why, and what is kept apart).
 compile_with_classic_cpu_emitters()
+collect_garbage_less_often()
 
 
 jax.config.update(

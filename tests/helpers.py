@@ -3,6 +3,7 @@ this one), the tolerances parity is held to, and the compiler setting the suite'
 compile with."""
 
 import contextlib
+import gc
 import importlib
 import io
 import os
@@ -171,14 +172,25 @@ def script_module(script: str) -> types.ModuleType:
 _LOW_PRECISION_FLOAT = re.compile(r"f[48]E\d")
 
 
+# For every XLA:CPU program of the suite: one LLVM module per program, not split for threads
+# that a two-core machine running three workers does not have (the split cost more CPU than it
+# saved), and without LLVM's costlier passes, which buy nothing for programs compiled more than
+# run. Neither changes a result: both are code generation, after XLA has fixed the arithmetic.
+_QUICKER_CPU_COMPILES = (
+    ("xla_cpu_parallel_codegen_split_count", 1),
+    ("xla_llvm_disable_expensive_passes", True),
+)
+
+
 def compile_with_classic_cpu_emitters() -> None:
     """From now on this process compiles its XLA:CPU programs with XLA's classic LLVM IR fusion
     emitters instead of its MLIR ones, which take longer to compile a fusion (a third of the
-    suite's time went to them). Programs holding 8- or 4-bit floats keep the MLIR emitters: the
-    classic ones round and pack those wrongly (seen: float32 -> float8_e4m3fn off by one step,
-    an invalid i4 bitcast). Per program, through a private hook of JAX's, rather than in
-    XLA_FLAGS (which libtpu also parses, refusing the flag): if the hook goes, this raises; if JAX
-    stops calling it, test_quantized's `test_suite_compiles_8_bit_floats_...` fails."""
+    suite's time went to them), and with `_QUICKER_CPU_COMPILES`. Programs holding 8- or 4-bit
+    floats keep the MLIR emitters: the classic ones round and pack those wrongly (seen: float32
+    -> float8_e4m3fn off by one step, an invalid i4 bitcast). Per program, through a private
+    hook of JAX's, rather than in XLA_FLAGS (which libtpu also parses, refusing the flag): if
+    the hook goes, this raises; if JAX stops calling it, test_quantized's
+    `test_suite_compiles_8_bit_floats_...` fails."""
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached
@@ -189,17 +201,27 @@ def compile_with_classic_cpu_emitters() -> None:
         if backend.platform == "cpu":
             classic = not _LOW_PRECISION_FLOAT.search(str(computation))
             compile_classic.programs[classic] += 1
-            if classic:
-                options.env_option_overrides = [
-                    *options.env_option_overrides,
-                    ("xla_cpu_use_fusion_emitters", False),
-                ]
+            emitters = [("xla_cpu_use_fusion_emitters", False)] if classic else []
+            options.env_option_overrides = [
+                *options.env_option_overrides,
+                *_QUICKER_CPU_COMPILES,
+                *emitters,
+            ]
         return compile_or_get_cached(backend, computation, devices, options, *args, **kwargs)
 
     compile_classic.classic_cpu_emitters = True
     # CPU programs compiled since: {True: with the classic emitters, False: with the MLIR ones}.
     compile_classic.programs = {True: 0, False: 0}
     compiler.compile_or_get_cached = compile_classic
+
+
+def collect_garbage_less_often() -> None:
+    """Python's cyclic garbage collector, run after 20,000 net allocations instead of 700, and
+    its full passes rarer: tracing a model allocates millions of short-lived objects, and with
+    torch and transformers loaded each full pass walks millions more; at the default thresholds
+    collection took a twentieth of a process's time tracing and compiling the test programs.
+    Garbage is still collected: conftest also collects when it drops the jit caches."""
+    gc.set_threshold(20_000, 50, 100)
 
 
 def generate_streamed(model, prompts, **kwargs) -> tuple[list[list[int]], dict]:

@@ -1,6 +1,7 @@
 """Imported at start-up by the Python processes the tests start (`helpers.run_python` puts this
 folder on their PYTHONPATH): when such a process imports JAX, it compiles as the test session
-does (`helpers.compile_with_classic_cpu_emitters`). Nothing is imported before JAX is."""
+does (`helpers.compile_with_classic_cpu_emitters`) and collects garbage as it does
+(`helpers.collect_garbage_less_often`). Nothing is imported before JAX is."""
 
 import importlib.abc
 import importlib.util
@@ -18,6 +19,7 @@ def _hook():
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
     helpers.compile_with_classic_cpu_emitters()
+    helpers.collect_garbage_less_often()
 
 
 class _AfterCompilerImport(importlib.abc.MetaPathFinder):
