@@ -218,9 +218,8 @@ def compile_with_classic_cpu_emitters() -> None:
 def collect_garbage_less_often() -> None:
     """Python's cyclic garbage collector, run after 20,000 net allocations instead of 700, and
     its full passes rarer: tracing a model allocates millions of short-lived objects, and with
-    torch and transformers loaded each full pass walks millions more; at the default thresholds
-    collection took a twentieth of a process's time tracing and compiling the test programs.
-    Garbage is still collected: conftest also collects when it drops the jit caches."""
+    torch and transformers loaded each full pass walks millions more. Garbage is still
+    collected: conftest also collects when it drops the jit caches."""
     gc.set_threshold(20_000, 50, 100)
 
 
