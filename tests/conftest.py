@@ -36,14 +36,14 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from helpers import collect_garbage_less_often, compile_with_classic_cpu_emitters  # noqa: E402
+from helpers import collect_garbage_less_often, set_suite_cpu_compile_options  # noqa: E402
 
 
 # `pytest --compile-report`: seconds spent tracing and compiling, per test file.
 pytest_plugins = ("compile_report",)
 
 # The suite compiles far more than it runs (helpers.py says why, and what is kept apart).
-compile_with_classic_cpu_emitters()
+set_suite_cpu_compile_options()
 collect_garbage_less_often()
 
 

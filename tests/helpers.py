@@ -182,7 +182,7 @@ _QUICKER_CPU_COMPILES = (
 )
 
 
-def compile_with_classic_cpu_emitters() -> None:
+def set_suite_cpu_compile_options() -> None:
     """From now on this process compiles its XLA:CPU programs with XLA's classic LLVM IR fusion
     emitters instead of its MLIR ones, which take longer to compile a fusion (a third of the
     suite's time went to them), and with `_QUICKER_CPU_COMPILES`. Programs holding 8- or 4-bit
@@ -194,13 +194,13 @@ def compile_with_classic_cpu_emitters() -> None:
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached
-    if getattr(compile_or_get_cached, "classic_cpu_emitters", False):
+    if getattr(compile_or_get_cached, "suite_cpu_compile_options", False):
         return
 
-    def compile_classic(backend, computation, devices, options, *args, **kwargs):
+    def compile_for_suite(backend, computation, devices, options, *args, **kwargs):
         if backend.platform == "cpu":
             classic = not _LOW_PRECISION_FLOAT.search(str(computation))
-            compile_classic.programs[classic] += 1
+            compile_for_suite.programs[classic] += 1
             emitters = [("xla_cpu_use_fusion_emitters", False)] if classic else []
             options.env_option_overrides = [
                 *options.env_option_overrides,
@@ -209,10 +209,10 @@ def compile_with_classic_cpu_emitters() -> None:
             ]
         return compile_or_get_cached(backend, computation, devices, options, *args, **kwargs)
 
-    compile_classic.classic_cpu_emitters = True
+    compile_for_suite.suite_cpu_compile_options = True
     # CPU programs compiled since: {True: with the classic emitters, False: with the MLIR ones}.
-    compile_classic.programs = {True: 0, False: 0}
-    compiler.compile_or_get_cached = compile_classic
+    compile_for_suite.programs = {True: 0, False: 0}
+    compiler.compile_or_get_cached = compile_for_suite
 
 
 def collect_garbage_less_often() -> None:

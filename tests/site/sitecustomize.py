@@ -1,6 +1,6 @@
 """Imported at start-up by the Python processes the tests start (`helpers.run_python` puts this
 folder on their PYTHONPATH): when such a process imports JAX, it compiles as the test session
-does (`helpers.compile_with_classic_cpu_emitters`) and collects garbage as it does
+does (`helpers.set_suite_cpu_compile_options`) and collects garbage as it does
 (`helpers.collect_garbage_less_often`). Nothing is imported before JAX is."""
 
 import importlib.abc
@@ -18,7 +18,7 @@ def _hook():
     )
     helpers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(helpers)
-    helpers.compile_with_classic_cpu_emitters()
+    helpers.set_suite_cpu_compile_options()
     helpers.collect_garbage_less_often()
 
 
