@@ -27,8 +27,7 @@ def tiny_config(**overrides) -> ed.Config:
 
     Three Sinkhorn iterations, as `Config.tiny()` (the release has 20; the loop is unrolled,
     and its rounds are much of every compiled program); three keep the column-first order and
-    a repeated (row, column) round. The mHC and full-model parity tests and the release
-    fixture use 20."""
+    a repeated (row, column) round. The mHC parity tests (tests/test_hyper.py) use 20."""
     layer_types = overrides.pop("layer_types", (S, S, C, H, C, H, C, H, C))
     n = overrides.pop("num_hidden_layers", len(layer_types))
     layer_types = layer_types[:n]

@@ -25,9 +25,8 @@ import equinox_dsv4 as ed
 from convert.reader import write_safetensors
 
 
-# hca ratio 128 (transformers reads only 0 / 4 / 128 in a release config's compress_ratios);
-# the release's 20 Sinkhorn iterations.
-CONFIG = tiny_config(layer_types=(S, S, C, H, C), compress_rate_hca=128, hc_sinkhorn_iters=20)
+# hca ratio 128 (transformers reads only 0 / 4 / 128 in a release config's compress_ratios).
+CONFIG = tiny_config(layer_types=(S, S, C, H, C), compress_rate_hca=128)
 IDS = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, 140))
 
 
