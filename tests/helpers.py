@@ -184,13 +184,12 @@ _QUICKER_CPU_COMPILES = (
 
 def set_suite_cpu_compile_options() -> None:
     """From now on this process compiles its XLA:CPU programs with XLA's classic LLVM IR fusion
-    emitters instead of its MLIR ones, which take longer to compile a fusion (a third of the
-    suite's time went to them), and with `_QUICKER_CPU_COMPILES`. Programs holding 8- or 4-bit
-    floats keep the MLIR emitters: the classic ones round and pack those wrongly (seen: float32
-    -> float8_e4m3fn off by one step, an invalid i4 bitcast). Per program, through a private
-    hook of JAX's, rather than in XLA_FLAGS (which libtpu also parses, refusing the flag): if
-    the hook goes, this raises; if JAX stops calling it, test_quantized's
-    `test_suite_compiles_8_bit_floats_...` fails."""
+    emitters instead of its MLIR ones, which take longer to compile a fusion, and with
+    `_QUICKER_CPU_COMPILES`. Programs holding 8- or 4-bit floats keep the MLIR emitters: the
+    classic ones round and pack those wrongly (seen: float32 -> float8_e4m3fn off by one step,
+    an invalid i4 bitcast). Per program, through a private hook of JAX's, rather than in
+    XLA_FLAGS (which libtpu also parses, refusing the flag): if the hook goes, this raises; if
+    JAX stops calling it, test_quantized's `test_suite_compiles_8_bit_floats_...` fails."""
     from jax._src import compiler
 
     compile_or_get_cached = compiler.compile_or_get_cached

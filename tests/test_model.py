@@ -44,7 +44,7 @@ CONFIGS = {
     # 9 layers, Flash pattern: S S C | (H C) x 3, first three hash-routed. The released 20
     # Sinkhorn iterations are held to the reference per component
     # (tests/test_hyper.py::test_hyper_connection_matches_reference): unrolled, they would
-    # double each whole-model program's compile here.
+    # make each whole-model program here costlier to compile.
     "flash_like": tiny_config(),
     # 7 layers, Pro pattern: H H C H C H C, two hash layers, hc_mult 2, no YaRN, ratio 16.
     "pro_like": tiny_config(
