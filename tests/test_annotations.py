@@ -27,14 +27,24 @@ PATHS = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
 
-    config = ed.Config.tiny()  # V4-Flash's layer pattern (a scanned middle), one MTP block
+    # Every kind of layer and both drivers in the fewest blocks to trace: the embedded tiny
+    # model's widths and MTP block, a sliding hash-routed layer on its own, then a scanned
+    # stack of two (CSA, HCA) periods (layers of one kind trace the same functions).
+    S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
+    config = dataclasses.replace(
+        ed.Config.tiny(),
+        num_hidden_layers=5,
+        layer_types=(S, C, H, C, H),
+        mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
+        scan_min_repeats=2,
+    )
     model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0))
     # The same trunk with a DSpark drafter (V4-Flash-0731's layout), whose stages replace MTP.
     spark = dataclasses.replace(
         config,
         dspark_block_size=3,
         dspark_markov_rank=8,
-        dspark_target_layer_ids=(6, 7, 8),
+        dspark_target_layer_ids=(2, 3, 4),
         dspark_noise_token_id=96,
         dspark_stages=2,
     )

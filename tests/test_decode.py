@@ -319,8 +319,10 @@ def test_decode_reads_the_chosen_experts_from_the_stacked_weights(scan):
     assert len(slices) == traced * 3 * top_k  # w1, w3, w2 for each of the token's experts
 
 
-# Unrolled layers: the small config of the benchmarks has no layer scan.
-BF16_CONFIG = tiny_config(scan_min_repeats=100, num_nextn_predict_layers=0)
+# Unrolled layers, as in the small config of the benchmarks (no layer scan): one of each kind.
+BF16_CONFIG = tiny_config(
+    layer_types=(S, C, H), num_hash_layers=1, scan_min_repeats=100, num_nextn_predict_layers=0
+)
 # A cache long enough that a conversion of it would dominate a step's temporaries.
 BF16_MAX_LEN = 4096
 
@@ -337,8 +339,9 @@ def bf16_step():
 
 def test_bf16_cache_writes_do_not_convert_the_cache(bf16_step):
     # XLA:CPU ran a bf16 scatter in float32, converting each compressed cache there and back
-    # every step: 825 KiB of temporaries here against 165 for float32. `set_rows` writes a
-    # step's few rows in place: 207 KiB (benchmarks/archive/NOTES.md, Round 9).
+    # every step: with every write a scatter (`Policy.few_writes` below any count), this step
+    # holds more than twice float32's temporaries. `set_rows` writes a step's few rows in place
+    # (benchmarks/archive/NOTES.md, Round 9).
     f32 = _decode_step_temporaries(abstract(ed.DeepseekV4, BF16_CONFIG), BF16_MAX_LEN)
     bf16 = bf16_step[1].memory_analysis().temp_size_in_bytes
     assert bf16 < 2 * f32, (bf16, f32)
@@ -373,12 +376,12 @@ def test_stacked_cache_is_updated_in_place(dtype, scan):
     # A decode step through a layer stack (scanned or unrolled) wrote a new copy of the whole
     # stack's cache every token: sliced out per layer, then stacked anew (the small config at
     # 43 layers and a 64k context: 285 MiB of temporaries against a 263 MiB cache). In bf16, a
-    # write that wrote the old row back for a dropped index also copied the stack. Here the
-    # cache grows by 720 KiB (float32) / 360 KiB (bf16) from 256 to 4096 tokens; the
-    # temporaries grew by 963 / 427 KiB scanned and 557 / 424 unrolled, now by 34 / 74 and
-    # 29 / 72 (archive/NOTES.md, items 32-33): a layer's index keys and HCA entries, copied out of
-    # the stack for their products (bf16: the HCA entries converted to float32 there).
-    config = _csa_hca_stack(3, scan)
+    # write that wrote the old row back for a dropped index also copied the stack. From 256 to
+    # 4096 tokens the temporaries grew by more than the cache (archive/NOTES.md, items 32-33);
+    # now by a small part of it: a layer's index keys and HCA entries, copied out of the stack
+    # for their products (bf16: the HCA entries converted to float32 there). Two periods: the
+    # fewest layers that make a stack.
+    config = _csa_hca_stack(2, scan)
     model = abstract(ed.DeepseekV4, config, dtype=dtype)
     assert [type(layer) for layer in model.layers] == [LayerStack]
 
