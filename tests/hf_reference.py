@@ -3,6 +3,7 @@ randomisation of every parameter and buffer, and copying weights into our module
 converter's name table."""
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -104,8 +105,18 @@ def _n_experts(module: torch.nn.Module) -> int:
 
 def abstract(cls, *args, **kwargs):
     """The module's shapes only (`eqx.filter_eval_shape`): no random init, which compiles one
-    kernel per weight shape and dominates test time on CPU."""
-    return eqx.filter_eval_shape(cls, *args, key=jax.random.key(0), **kwargs)
+    kernel per weight shape and dominates test time on CPU. Traced once per process for each
+    (class, arguments): the suite asks for the same few skeletons many times, and a skeleton
+    (shapes and static fields) cannot be changed in place."""
+    try:
+        return _abstract(cls, args, tuple(sorted(kwargs.items())))
+    except TypeError:  # an unhashable argument
+        return eqx.filter_eval_shape(cls, *args, key=jax.random.key(0), **kwargs)
+
+
+@functools.lru_cache(maxsize=512)
+def _abstract(cls, args: tuple, kwargs: tuple):
+    return eqx.filter_eval_shape(cls, *args, key=jax.random.key(0), **dict(kwargs))
 
 
 def decode_temporaries(model: ed.DeepseekV4, max_len: int = 64) -> int:

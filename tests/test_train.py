@@ -35,7 +35,9 @@ def _grads_like(skeleton: ed.DeepseekV4, reference: torch.nn.Module) -> ed.Deeps
 
 
 def test_gradients_match_torch_autograd():
-    config = tiny_config(num_nextn_predict_layers=0)  # Flash pattern, 9 layers, 8 index heads
+    # Every kind of layer and both drivers: a sliding hash-routed layer, then a scan of two
+    # (CSA, HCA) periods with learned routing; 8 index heads.
+    config = _small(num_nextn_predict_layers=0)
     reference = reference_model(config, seed=11)
     ids = np.random.default_rng(11).integers(0, config.vocab_size, (2, 38))
     inputs, labels = torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
@@ -60,7 +62,7 @@ def test_gradients_match_torch_autograd():
     np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
     got = jax.tree_util.tree_flatten_with_path(grads)[0]
     want = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
-    assert len(got) == len(jax.tree.leaves(params)) > 100
+    assert len(got) == len(jax.tree.leaves(params)) > 80
     total = float(np.sqrt(sum(np.sum(np.square(np.asarray(w, np.float64))) for w in want.values())))
     bad, nonzero = [], 0
     for path, g in got:
