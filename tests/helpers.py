@@ -3,6 +3,7 @@ this one), the tolerances parity is held to, and the compiler setting the suite'
 compile with."""
 
 import contextlib
+import dataclasses
 import gc
 import importlib
 import io
@@ -13,9 +14,14 @@ import subprocess
 import sys
 import types
 import warnings
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+
+
+if TYPE_CHECKING:
+    import equinox_dsv4 as ed
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -220,6 +226,23 @@ def collect_garbage_less_often() -> None:
     torch and transformers loaded each full pass walks millions more. Garbage is still
     collected: conftest also collects when it drops the jit caches."""
     gc.set_threshold(20_000, 50, 100)
+
+
+def short_tiny(**overrides) -> "ed.Config":
+    """The embedded tiny model's widths (`Config.tiny(**overrides)`) with every kind of layer and
+    both layer drivers in the fewest blocks to trace and compile: a sliding hash-routed layer on
+    its own, then a scanned stack of two (CSA, HCA) periods with learned routing. Its
+    `to_hf()` leaves out `scan_min_repeats`: read it back with `scan_min_repeats=2`."""
+    import equinox_dsv4 as ed  # not at the top: the scripts' start-up imports this file
+
+    S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
+    return dataclasses.replace(
+        ed.Config.tiny(**overrides),
+        num_hidden_layers=5,
+        layer_types=(S, C, H, C, H),
+        mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
+        scan_min_repeats=2,
+    )
 
 
 def generate_streamed(model, prompts, **kwargs) -> tuple[list[list[int]], dict]:

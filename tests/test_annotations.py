@@ -8,14 +8,17 @@ step, plain and speculative generation steps (MTP and DSpark drafters), and trai
 full, the LoRA-adapted and the FP8/FP4-quantised model. The suite itself runs without the hook,
 which checks every call of every traced function again in each of its programs."""
 
+import json
 import textwrap
 
-from helpers import run_python, succeeded
+from helpers import run_python, short_tiny, succeeded
 
 
 PATHS = textwrap.dedent(
     """
     import dataclasses
+    import json
+    import sys
 
     from jaxtyping import install_import_hook
 
@@ -27,17 +30,9 @@ PATHS = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
 
-    # Every kind of layer and both drivers in the fewest blocks to trace: the embedded tiny
-    # model's widths and MTP block, a sliding hash-routed layer on its own, then a scanned
-    # stack of two (CSA, HCA) periods (layers of one kind trace the same functions).
-    S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
-    config = dataclasses.replace(
-        ed.Config.tiny(),
-        num_hidden_layers=5,
-        layer_types=(S, C, H, C, H),
-        mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
-        scan_min_repeats=2,
-    )
+    # `helpers.short_tiny`: every kind of layer and both drivers in the fewest blocks to trace
+    # (layers of one kind trace the same functions), the embedded tiny model's MTP block.
+    config = ed.Config.from_hf(json.loads(sys.argv[1]), scan_min_repeats=2)
     model = eqx.filter_eval_shape(ed.DeepseekV4, config, key=jax.random.key(0))
     # The same trunk with a DSpark drafter (V4-Flash-0731's layout), whose stages replace MTP.
     spark = dataclasses.replace(
@@ -102,5 +97,6 @@ PATHS = textwrap.dedent(
 
 
 def test_internal_annotations_hold_on_the_main_paths():
-    result = succeeded(run_python("-c", PATHS))
+    config = json.dumps(short_tiny().to_hf())
+    result = succeeded(run_python("-c", PATHS, config))
     assert "traced" in result.stdout

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import transformers
-from helpers import ROOT, SAME, run_main, run_python, succeeded
+from helpers import ROOT, SAME, run_main, run_python, short_tiny, succeeded
 from hf_reference import hf_config, randomize
 
 import equinox_dsv4 as ed
@@ -80,7 +80,7 @@ def test_readme_blocks_run_as_written(hf_tiny):
 
 EAGER = textwrap.dedent(
     """
-    import dataclasses
+    import json
     import sys
     import equinox as eqx, jax, jax.numpy as jnp, numpy as np
     import equinox_dsv4 as ed
@@ -108,16 +108,9 @@ EAGER = textwrap.dedent(
                 before = mappings()
         return np.stack(tokens), np.stack(heads), np.stack(sums), mappings() - before
 
-    # The embedded tiny model's widths, a sliding layer run op by op, then a layer scan of two
-    # (CSA, HCA) periods: the scan is what an eager call compiled anew.
-    S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
-    config = dataclasses.replace(
-        ed.Config.tiny(),
-        num_hidden_layers=5,
-        layer_types=(S, C, H, C, H),
-        mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
-        scan_min_repeats=2,
-    )
+    # `helpers.short_tiny`: a layer scan (what an eager call compiled anew) after a layer of
+    # its own, at the embedded tiny model's widths.
+    config = ed.Config.from_hf(json.loads(sys.argv[2]), scan_min_repeats=2)
     model = ed.DeepseekV4(config, key=jax.random.key(0))
     steps = int(sys.argv[1])
     eager = run(model.decode, steps)
@@ -138,7 +131,8 @@ EAGER = textwrap.dedent(
 
 def test_eager_decode_loop(tmp_path):
     steps = 28  # past the ring (16), and row 0 (32 tokens) through two HCA blocks of 16
-    succeeded(run_python("-c", EAGER, steps, cwd=tmp_path))
+    config = json.dumps(short_tiny().to_hf())
+    succeeded(run_python("-c", EAGER, steps, config, cwd=tmp_path))
     out = np.load(tmp_path / "out.npz")
     assert out["eager_tokens"].shape == (steps, 2)
     np.testing.assert_array_equal(out["eager_tokens"], out["jitted_tokens"])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import COMPILE_REPORT_KEYS, ROOT
+from helpers import COMPILE_REPORT_KEYS, ROOT, short_tiny
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -24,16 +24,9 @@ from equinox_dsv4.parallel import cache_shardings
 
 
 AXES = ("data", "fsdp", "tensor", "expert")
-# The tiny model's widths, with one layer on its own (sliding, hash-routed) and a scanned
-# stack of two (CSA, HCA) periods: every kind of layer and both drivers, in the fewest blocks
-# to compile (TPU compiles of the 9-layer default took most of this file's time).
-CONFIG = dataclasses.replace(
-    ed.Config.tiny(num_nextn_predict_layers=0),
-    num_hidden_layers=5,
-    layer_types=(ed.config.SLIDING, ed.config.CSA, ed.config.HCA, ed.config.CSA, ed.config.HCA),
-    mlp_layer_types=(ed.config.HASH_MOE,) + (ed.config.MOE,) * 4,
-    scan_min_repeats=2,
-)
+# `helpers.short_tiny`: every kind of layer and both drivers in the fewest blocks to compile
+# (TPU compiles of the 9-layer default took most of this file's time).
+CONFIG = short_tiny(num_nextn_predict_layers=0)
 
 
 def _mesh(devices) -> Mesh:
