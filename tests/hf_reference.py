@@ -108,10 +108,12 @@ def abstract(cls, *args, **kwargs):
     kernel per weight shape and dominates test time on CPU. Traced once per process for each
     (class, arguments): the suite asks for the same few skeletons many times, and a skeleton
     (shapes and static fields) cannot be changed in place."""
+    signature = (cls, args, tuple(sorted(kwargs.items())))
     try:
-        return _abstract(cls, args, tuple(sorted(kwargs.items())))
-    except TypeError:  # an unhashable argument
+        hash(signature)
+    except TypeError:  # an unhashable argument: traced every time
         return eqx.filter_eval_shape(cls, *args, key=jax.random.key(0), **kwargs)
+    return _abstract(*signature)
 
 
 @functools.lru_cache(maxsize=512)
