@@ -76,8 +76,8 @@ def test_gradients_match_torch_autograd():
             continue
         nonzero += 1
         # 1e-4 of the leaf's gradient norm, floored at 1e-7 of the whole gradient's: a leaf
-        # whose gradient nearly cancels (hc_head.scale: 1e-4 against a total of ~2) keeps the
-        # float32 rounding of its terms (its error stays 1.4e-8 even with float64 parameters).
+        # whose gradient nearly cancels (hc_head.scale's can) keeps the float32 rounding of its
+        # terms.
         if err > 1e-4 * max(norm, 1e-3 * total):
             bad.append((jax.tree_util.keystr(path), err, norm))
     assert not bad, bad
