@@ -20,6 +20,10 @@ from equinox_dsv4.ckpt import block_path
 
 
 S, C, H = ed.config.SLIDING, ed.config.CSA, ed.config.HCA
+# `tiny_config` overrides for every kind of layer and both layer drivers in the fewest blocks: a
+# sliding hash-routed layer on its own, then a scanned stack of two (CSA, HCA) periods with
+# learned routing (`helpers.short_tiny` is the same shape at `Config.tiny()`'s widths).
+FIVE_LAYERS = dict(layer_types=(S, C, H, C, H), num_hash_layers=1, scan_min_repeats=2)
 
 
 def tiny_config(**overrides) -> ed.Config:

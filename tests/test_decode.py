@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import LOGITS, equations, lowered
-from hf_reference import C, H, S, abstract, random_fill, tiny_config
+from hf_reference import FIVE_LAYERS, C, H, S, abstract, random_fill, tiny_config
 
 import equinox_dsv4 as ed
 from equinox_dsv4.execution import resolve
@@ -20,12 +20,7 @@ CONFIGS = {
     # window 8, CSA ratio 4, HCA ratio 8, index_topk 3, hc_mult 4, YaRN; a sliding hash-routed
     # layer on its own, then a scanned (CSA, HCA) period (5 layers: every layer kind, both
     # drivers, in three compiled blocks).
-    "flash_like": tiny_config(
-        layer_types=(S, C, H, C, H),
-        num_hash_layers=1,
-        scan_min_repeats=2,
-        num_nextn_predict_layers=0,
-    ),
+    "flash_like": tiny_config(**FIVE_LAYERS, num_nextn_predict_layers=0),
     # window 16 = HCA ratio 16, hc_mult 2, no YaRN, a period-1 CSA scan.
     "pro_like": tiny_config(
         layer_types=(H, C, C, C, H),

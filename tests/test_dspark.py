@@ -22,7 +22,7 @@ from helpers import (
     run_main,
     succeeded,
 )
-from hf_reference import C, H, S, abstract, random_fill, reference_model, tiny_config
+from hf_reference import FIVE_LAYERS, abstract, random_fill, reference_model, tiny_config
 from release_layout import write_release_checkpoint
 
 import convert
@@ -36,9 +36,7 @@ from equinox_dsv4 import serve
 # test_generate); the drafter reads layers 2 (inside the scan's first repeat), 3 and 4 (its
 # second), as the release reads its last three. Window 8: a ring of 8 context rows.
 CONFIG = tiny_config(
-    layer_types=(S, C, H, C, H),
-    num_hash_layers=1,
-    scan_min_repeats=2,
+    **FIVE_LAYERS,
     index_n_heads=8,
     eos_token_id=None,
     dspark_block_size=5,

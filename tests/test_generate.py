@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 from helpers import lowered, run_main
-from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
+from hf_reference import (
+    FIVE_LAYERS,
+    abstract,
+    our_model,
+    random_fill,
+    reference_model,
+    tiny_config,
+)
 
 import equinox_dsv4 as ed
 
@@ -16,9 +23,7 @@ import equinox_dsv4 as ed
 # we may break such ties differently.
 # Five layers: a sliding hash-routed layer, then a scanned (CSA, HCA) period.
 CONFIG = tiny_config(
-    layer_types=(S, C, H, C, H),
-    num_hash_layers=1,
-    scan_min_repeats=2,
+    **FIVE_LAYERS,
     index_n_heads=8,
     num_nextn_predict_layers=0,
     eos_token_id=None,

@@ -13,6 +13,7 @@ import torch
 import transformers
 from helpers import COMPONENT, LOGITS, SAME
 from hf_reference import (
+    FIVE_LAYERS,
     C,
     H,
     S,
@@ -87,9 +88,7 @@ CASES = [
 # A layer on its own, then an unrolled stack of two (CSA, HCA) periods: the model of
 # `test_every_policy_computes_the_same_model` and `test_scan_and_unrolled_give_identical_logits`.
 POLICY_CONFIG = tiny_config(
-    layer_types=(S, C, H, C, H),
-    num_hash_layers=1,
-    scan_min_repeats=2,
+    **FIVE_LAYERS,
     scan_layers=False,
     index_n_heads=8,
     num_nextn_predict_layers=0,
@@ -405,9 +404,7 @@ def test_bfloat16_logits_close_to_float32():
     # transformers' own bf16 path gives on the same weights (random weights amplify rounding
     # with depth). Every kind of layer and both drivers: a layer of its own, then a scan.
     config = tiny_config(
-        layer_types=(S, C, H, C, H),
-        num_hash_layers=5,
-        scan_min_repeats=2,
+        **{**FIVE_LAYERS, "num_hash_layers": 5},
         index_topk=16,
         num_nextn_predict_layers=0,
     )
@@ -447,9 +444,7 @@ def test_bf16_carried_layer_scan_matches_the_plain_scan():
     # computes: a chunk from the empty cache, then single tokens, through a layer on its own
     # and a scanned (CSA, HCA) period.
     config = tiny_config(
-        layer_types=(S, C, H, C, H),
-        num_hash_layers=1,
-        scan_min_repeats=2,
+        **FIVE_LAYERS,
         num_nextn_predict_layers=0,
     )
     model = random_fill(abstract(ed.DeepseekV4, config, dtype=jnp.bfloat16), 3)

@@ -12,7 +12,17 @@ import optax
 import pytest
 import torch
 from helpers import ROOT, lowered, run_main, succeeded
-from hf_reference import C, H, S, abstract, our_model, random_fill, reference_model, tiny_config
+from hf_reference import (
+    FIVE_LAYERS,
+    C,
+    H,
+    S,
+    abstract,
+    our_model,
+    random_fill,
+    reference_model,
+    tiny_config,
+)
 
 import equinox_dsv4 as ed
 from convert import fill, hf_to_canonical
@@ -147,13 +157,7 @@ def test_balance_statistics_worked_out_by_hand():
 
 
 def _small(**overrides) -> ed.Config:
-    base = dict(
-        layer_types=(S, C, H, C, H),
-        num_hash_layers=1,
-        scan_min_repeats=2,
-        num_nextn_predict_layers=1,
-    )
-    return tiny_config(**{**base, **overrides})
+    return tiny_config(**{**FIVE_LAYERS, "num_nextn_predict_layers": 1, **overrides})
 
 
 RATE = 0.25
