@@ -52,10 +52,15 @@ def _model(mesh: Mesh, dtype=jnp.bfloat16):
     return _placed(model, ed.parallel.named_shardings(model, mesh))
 
 
+def _cache(model, mesh: Mesh, batch: int, max_len: int):
+    # `model`'s cache, abstract and placed on `mesh` as decoding places it.
+    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
+    return _placed(cache, cache_shardings(cache, mesh))
+
+
 def _decode_step(mesh: Mesh, max_len: int, batch: int = 2):
     model = _model(mesh)
-    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
-    cache = _placed(cache, cache_shardings(cache, mesh))
+    cache = _cache(model, mesh, batch, max_len)
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(mesh, P(AXES[:2])))
     with jax.set_mesh(mesh):
         return jax.jit(lambda m, i, c: m.decode(i, c), donate_argnums=2).lower(model, ids, cache)
@@ -147,11 +152,10 @@ def test_tpu_trace_takes_the_generic_forms(tpu_mesh):
 
 
 def _cache_bytes_per_chip(mesh: Mesh, max_len: int, batch: int = 2) -> int:
-    cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), _model(mesh))
-    shardings = cache_shardings(cache, mesh)
+    cache = _cache(_model(mesh), mesh, batch, max_len)
     return sum(
-        int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
-        for x, sh in zip(jax.tree.leaves(cache), jax.tree.leaves(shardings), strict=True)
+        int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for x in jax.tree.leaves(cache)
     )
 
 
@@ -175,8 +179,7 @@ def test_prefill_compiles_for_tpu(tpu_mesh):
     # (The train step, forward and backward, compiles in test_compile_command_train_step_...)
     model = _model(tpu_mesh)
     rows = NamedSharding(tpu_mesh, P(AXES[:2]))
-    cache = eqx.filter_eval_shape(lambda m: m.init_cache(2, 128), model)
-    cache = _placed(cache, cache_shardings(cache, tpu_mesh))
+    cache = _cache(model, tpu_mesh, 2, 128)
     ids = jax.ShapeDtypeStruct((2, 64), jnp.int32, sharding=rows)
     with jax.set_mesh(tpu_mesh):
         prefill = jax.jit(lambda m, i, c: m.decode(i, c, last_only=True)).lower(model, ids, cache)
