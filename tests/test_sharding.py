@@ -285,6 +285,90 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, s
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
 
 
+# (mesh, buffer, routing, tokens, rounds): rows to each device at twice or at once their even
+# share (rounded up to 8 rows: two rounds of a device's 16), every row in one buffer (0), or
+# every token on the first device's experts (all of the rounds a device's rows can need);
+# few tokens (a decode step's) stay on every device of the group, which each run their own
+# experts' assignments: all at once where a device holds one expert, else a round of
+# `buffer` times its even share at a time.
+EXCHANGES = [
+    (dict(fsdp=2, expert=4), 2, "even", 64, 2),
+    (dict(fsdp=2, expert=4), 1, "one device", 64, 2),
+    (dict(data=2, fsdp=2, expert=2), 1, "even", 64, 2),
+    (dict(data=2, fsdp=2, expert=2), 0, "one device", 64, 0),
+    (dict(fsdp=2, expert=4), 2, "even", 4, 0),
+    (dict(data=2, fsdp=2, expert=2), 2, "even", 2, 2),
+    (dict(data=4, expert=2), 1, "one device", 8, 2),
+]
+
+
+@pytest.mark.parametrize("mesh_shape, buffer, routing, tokens, rounds", EXCHANGES)
+def test_exchanged_experts_equal_one_device(mesh_shape, buffer, routing, tokens, rounds):
+    # `Policy.expert_exchange`, the experts split whole over expert x fsdp (`EXCHANGE_RULES`):
+    # each device sends its tokens' rows to the devices that own their experts by all-to-all
+    # and gets their outputs back, in rounds of `buffer` times its even share; few tokens
+    # stay on every device of the group, which each run their own experts' share. Outputs
+    # and gradients (the custom VJP's rounds backward) equal one device's however the
+    # router chooses, and no expert's weights are gathered.
+    config = tiny_config(hidden_size=32, moe_intermediate_size=64)
+    experts = random_fill(abstract(ed.nn.Experts, config), seed=8)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((tokens, 32)), jnp.float32)
+    devices = mesh_shape.get("fsdp", 1) * mesh_shape["expert"]
+    if routing == "even":
+        ids = np.stack([rng.permutation(8)[:2] for _ in range(tokens)])
+    else:  # both assignments of every token to the first device's experts
+        ids = rng.integers(0, 8 // devices, (tokens, 2))
+    ids = jnp.asarray(ids, jnp.int32)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, 2)), jnp.float32)
+    policy = ed.execution.Policy(experts="ragged", expert_buffer=buffer, expert_exchange=True)
+
+    (_, want), g1 = _routed_value_and_grad(ed.execution.with_policy(experts, policy), x, ids, w)
+    mesh = ed.make_mesh(**mesh_shape)
+    rules = ed.parallel.ShardingRules().replace(**ed.parallel.EXCHANGE_RULES)
+    sharded = ed.execution.with_policy(ed.shard(experts, mesh, rules), policy)
+    # Every expert whole on its device.
+    assert sharded.w2.sharding.spec == P(("expert", "fsdp") if devices > 2 else "expert")
+    with jax.set_mesh(mesh):
+        (_, got), g2 = _routed_value_and_grad(sharded, x, ids, w)
+        jaxpr = str(jax.make_jaxpr(_routed_value_and_grad)(sharded, x, ids, w))
+    assert ("all_to_all" in jaxpr) == (tokens == 64) and "all_gather" not in jaxpr
+    assert f"length={rounds}" in jaxpr if rounds else "scan" not in jaxpr
+    np.testing.assert_allclose(got, want, **COMPONENT)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+
+
+@eqx.filter_jit
+def _routed_value_and_grad(experts, x, ids, w):
+    # As `_value_and_grad`, the routing weights' gradient too (the router's, in training).
+    def loss(diff):
+        y = diff[0](diff[1], ids, diff[2])
+        return jnp.sum(y * jnp.cos(y)), y
+
+    return eqx.filter_value_and_grad(loss, has_aux=True)((experts, x, w))
+
+
+def test_exchanged_prefill_and_decode_equal_single_device(single):
+    # The exchange inside the model: a prefill's layers (a scan of two (CSA, HCA) periods) on
+    # fsdp 2 x expert 4 with the experts split whole, then decode steps (their tokens on
+    # every device, each running its own experts), equal to one device's.
+    model, ids, _, prefill, steps = single
+    mesh = ed.make_mesh(fsdp=2, expert=4)
+    rules = ed.parallel.ShardingRules().replace(**ed.parallel.EXCHANGE_RULES)
+    policy = ed.execution.Policy(experts="ragged", expert_buffer=2, expert_exchange=True)
+    sharded = ed.execution.with_policy(ed.shard(model, mesh, rules), policy)
+    with jax.set_mesh(mesh):
+        cache = ed.parallel.shard_cache(sharded.init_cache(8, 32), mesh)
+        jaxpr = str(jax.make_jaxpr(_decode)(sharded, ids[:, :20], cache))
+        out, cache = _decode(sharded, ids[:, :20], cache)
+        np.testing.assert_allclose(out, prefill, **COMPONENT)
+        for t, expected in zip(range(20, 24), steps, strict=True):
+            out, cache = _decode(sharded, ids[:, t : t + 1], cache)
+            np.testing.assert_allclose(out, expected, **COMPONENT)
+    assert "all_to_all" in jaxpr
+
+
 @eqx.filter_jit
 def _value_and_grad(experts, x, ids, w):
     # The routed experts' outputs and the gradients of a loss of them: of the weights and the

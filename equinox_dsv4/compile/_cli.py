@@ -174,7 +174,8 @@ def parse_args(
         metavar="NAME=AXIS[+AXIS]",
         help="override a sharding rule (repeatable), e.g. embed=fsdp+expert: dense weights "
         "split over fsdp and expert (routed experts: over expert, and fsdp along their hidden "
-        "units, expert_up, or d_model, expert_in)",
+        "units, expert_up, or d_model, expert_in and expert_out); experts=expert+fsdp: the "
+        "routed experts whole on each chip, as --policy expert_exchange=true takes them",
     )
     parser.add_argument(
         "--policy",

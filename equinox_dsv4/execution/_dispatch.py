@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 from ..quant import LoraWeight, QuantizedWeight, act_quant, base_of
 from ._expert_loop import _expert_block, _over_experts, expert_mlps, swiglu, varying_like
 from ._policy import Policy, resolve
-from ._products import wider_dtype
+from ._products import linear, wider_dtype
 
 
 # Rows per block at most 2**7: of 64, 128 and 256 the fastest 2048-token prefill on XLA:CPU.
@@ -336,3 +336,34 @@ def _padded_rows(rows: int, n_experts: int, pad: int) -> int:
     # Room for `rows` sorted rows when each expert's group is padded to a multiple of `pad`: at
     # most min(E, rows) groups are partial.
     return -(-(rows + min(n_experts, rows) * (pad - 1)) // pad) * pad
+
+
+def _assignment_rows(x_rows, ids, row_weights, w1, w2, w3, layer, up, act, policy):
+    # Each row through its expert's weights (`ids`: local experts; `n_local`, another
+    # device's: zeroed). Each product reads its expert's weights where they lie in the stack
+    # (a layer stack's, with `layer`): a dynamic slice that XLA fuses into the product.
+    # Gathered into one array for batched products, the chosen experts' weights were
+    # written, copied and read again (the TPU compiler's count, one sequence decoding).
+    # `up`: the weights hold this device's slice of the hidden units (True: gathered over
+    # fsdp before `w2`) or of `d_model` (False: partial products summed over fsdp), or are
+    # whole (None).
+    n_local = w2.shape[-3]
+    rows = ids.shape[0]
+    chosen = jnp.minimum(ids, n_local - 1)
+
+    def products(a, w):  # row r of a [rows, in] by its expert's w -> [rows, out]
+        def one(r):
+            expert = w[chosen[r]] if layer is None else w[layer, chosen[r]]
+            return linear(a[r][None], expert, policy, dtype=jnp.float32)[0]
+
+        return jnp.stack([one(r) for r in range(rows)])
+
+    g, u = products(x_rows, w1), products(x_rows, w3)
+    if up is False:
+        g, u = jax.lax.psum((g, u), "fsdp")
+    h = swiglu(g, u, act[0]) * row_weights[:, None]
+    h = h.astype(x_rows.dtype)
+    if up:  # this device's hidden units, then all of its tensor slice's
+        h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
+    y = products(act_quant(h, act[1]), w2)
+    return jnp.where((ids < n_local)[:, None], y, 0.0)

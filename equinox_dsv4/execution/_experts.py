@@ -24,7 +24,8 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import _alike, _ragged_rounds, dispatch, in_rounds, of_layer
+from ._dispatch import _alike, _assignment_rows, _ragged_rounds, dispatch, in_rounds, of_layer
+from ._exchange import by_owners
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy, resolve
@@ -121,6 +122,10 @@ def expert_parallel(
     reduce = ("expert",) + ((tensor,) if tensor else ())
 
     few = x.shape[0] * indices.shape[1] <= policy.stationary_rows
+    # The experts split whole over expert x fsdp (`Policy.expert_exchange`): their own forms.
+    owners = (x, indices, weights, w1, w2, w3, limit, numerics, policy, layer)
+    if parts == 1 and (owned := by_owners(*owners, few=few)) is not None:
+        return owned
     stay = up and _weights_stay(x, indices, b1, tokens, policy)
     outputs = tokens
     if (few or stay) and None not in split.values():
@@ -363,31 +368,3 @@ def _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, 
 
     y = varying_like(jnp.zeros((tokens, width), jnp.float32), x)
     return in_rounds(y, ids, n_local, size, run)
-
-
-def _assignment_rows(x_rows, ids, row_weights, w1, w2, w3, layer, up, act, policy):
-    # Each row through its expert's weights (`ids`: local experts; `n_local`, another
-    # device's: zeroed). Each product reads its expert's weights where they lie in the stack
-    # (a layer stack's, with `layer`): a dynamic slice that XLA fuses into the product.
-    # Gathered into one array for batched products, the chosen experts' weights were
-    # written, copied and read again (the TPU compiler's count, one sequence decoding).
-    n_local = w2.shape[-3]
-    rows = ids.shape[0]
-    chosen = jnp.minimum(ids, n_local - 1)
-
-    def products(a, w):  # row r of a [rows, in] by its expert's w -> [rows, out]
-        def one(r):
-            expert = w[chosen[r]] if layer is None else w[layer, chosen[r]]
-            return linear(a[r][None], expert, policy, dtype=jnp.float32)[0]
-
-        return jnp.stack([one(r) for r in range(rows)])
-
-    g, u = products(x_rows, w1), products(x_rows, w3)
-    if not up:
-        g, u = jax.lax.psum((g, u), "fsdp")
-    h = swiglu(g, u, act[0]) * row_weights[:, None]
-    h = h.astype(x_rows.dtype)
-    if up:  # this device's hidden units, then all of its tensor slice's
-        h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
-    y = products(act_quant(h, act[1]), w2)
-    return jnp.where((ids < n_local)[:, None], y, 0.0)

@@ -74,6 +74,13 @@ class Policy:
       experts' weights over `fsdp`, where fewer rows would travel that way: the `fsdp`
       group's tokens and a round's rows against the local experts' weights' (ragged form,
       dense weights whose hidden units split over `fsdp`).
+    - `expert_exchange`: under expert parallelism, many assignments (a prefill, a train
+      step) travel by `all_to_all` to the devices that own their experts and back
+      (`execution/_exchange.py`), the experts split whole over `expert` and `fsdp` (the
+      `experts` rule `("expert", "fsdp")`) and the tokens over the same axes: each row goes
+      to one device, and a device's buffers hold `expert_buffer` times its even share of
+      the rows it receives (0: every row it could receive), in as many rounds as they need.
+      Dense weights without `tensor` splits; otherwise the forms above.
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
     - `stationary_tokens`: up to this many tokens at a block boundary (batch x chunk: a
@@ -126,6 +133,7 @@ class Policy:
     gather_experts: bool = False
     expert_buffer: int = 0
     experts_stay: bool = False
+    expert_exchange: bool = False
     few_writes: int = 16
     few_tokens: int = 16
     stationary_rows: int = 64

@@ -43,7 +43,7 @@ class Experts(eqx.Module):
 
     def param_axes(self, name: str) -> tuple[str | None, ...]:
         if name == "w2":
-            return ("experts", "embed", "expert_mlp")
+            return ("experts", "expert_out", "expert_mlp")
         return ("experts", "expert_up", "expert_in")
 
     def __call__(

@@ -24,6 +24,7 @@ from ._mesh import (
 )
 from ._sharding import (
     DEFAULT_RULES as DEFAULT_RULES,
+    EXCHANGE_RULES as EXCHANGE_RULES,
     FSDP_EXPERT_RULES as FSDP_EXPERT_RULES,
     ShardingRules as ShardingRules,
     cache_shardings as cache_shardings,
@@ -43,6 +44,7 @@ __all__ = [
     "parse_rules",
     "ShardingRules",
     "DEFAULT_RULES",
+    "EXCHANGE_RULES",
     "FSDP_EXPERT_RULES",
     "shard",
     "shard_cache",

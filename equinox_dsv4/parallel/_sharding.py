@@ -54,6 +54,9 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     # `d_model` is, as an all-reduce of the whole gradient (benchmarks/archive/NOTES.md).
     "expert_up": ("tensor", "fsdp"),
     "expert_in": ("fsdp",),
+    # `w2`'s `d_model`: as a dense weight's `embed` is split where the experts take `expert`
+    # alone; where they take `fsdp` too (`EXCHANGE_RULES`), whole.
+    "expert_out": ("fsdp",),
     "mlp": "tensor",
 }
 
@@ -72,6 +75,12 @@ FSDP_EXPERT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "groups_x_rank": ("tensor", "expert"),
     "mlp": ("tensor", "expert"),
 }
+
+
+# The routed experts split whole over `expert` and `fsdp` (each device holds `experts /
+# (expert x fsdp)` of them, every hidden unit), as `Policy.expert_exchange` takes them: the
+# tokens travel to their experts by all-to-all, and no expert's weights are gathered.
+EXCHANGE_RULES: dict[str, str | tuple[str, ...] | None] = {"experts": ("expert", "fsdp")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,265 @@
+"""Expert parallelism with the routed experts split whole over `expert` and `fsdp`
+(`Policy.expert_exchange`; each device holds `experts / devices` of them, every hidden unit):
+`by_owners`, called by `expert_parallel`. Many tokens, split over the same axes, are exchanged:
+each device sends its tokens' assignments to the devices that own their experts, which run
+them and send the outputs back (`exchange`, by `all_to_all` inside a `shard_map`), so that a
+row travels to one device and back, and the work and the buffers follow a device's own share
+of the assignments, not its group's tokens. Few tokens (a decode step's) stay on every device,
+which each run their own experts' share (`_owned`), summed over the devices.
+
+Dropless in rounds: a device sends each other device at most `size` rows at a time, for as
+many rounds as the most loaded pair of devices needs (the same count on every device, so that
+every device takes part in every round's exchange). The gradient is written out (a custom VJP)
+as the same rounds run backward: each round's rows, with their outputs' cotangents, travel to
+their experts again, which recompute them and send the inputs' and routing weights'
+cotangents back; the experts' own gradients stay where the experts are.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from ..quant import LoraWeight, QuantizedWeight
+from ._dispatch import _alike, _assignment_rows, _grouped_mlp, dispatch, in_rounds, of_layer
+from ._expert_loop import _summed_like, _varying, varying_like
+from ._mesh import batch_axes, mesh_axis
+from ._policy import Policy
+
+
+def by_owners(x, indices, weights, w1, w2, w3, limit, numerics, policy: Policy, layer, *, few):
+    """`expert_parallel`'s routed experts where `policy.expert_exchange` holds them split
+    whole over `expert` and `fsdp` (as the `experts` rule `("expert", "fsdp")` places them):
+    many tokens split over those axes are exchanged (`exchange`); few tokens (`few`: a decode
+    step's), or a count the axes do not divide, stay on every device of the group, which
+    each run the assignments to their own experts, summed over the group (`_owned`). `None`
+    where the experts are not held so (no `expert_exchange`, quantised or adapted weights,
+    experts that the axes do not divide)."""
+    if not policy.expert_exchange or isinstance(w1, QuantizedWeight | LoraWeight):
+        return None
+    group = tuple(a for a in ("expert", "fsdp") if mesh_axis(a) > 1)
+    n = math.prod(map(mesh_axis, group))
+    if w1.shape[-3] % n:
+        return None
+    axes = [*(batch_axes(x.shape[0]) or ())]
+    if mesh_axis("expert") > 1 and x.shape[0] % (mesh_axis("expert") * _devices(axes)) == 0:
+        axes.append("expert")
+    act = (limit, numerics)
+    if few or not set(group) <= set(axes):
+        local = functools.partial(_owned, act=act, group=group, policy=policy)
+        axes = [a for a in axes if a not in group]
+    else:
+        # A round sends each device at most `expert_buffer` times its even share (8-row
+        # multiples), all of a device's rows at once without it.
+        rows = x.shape[0] // _devices(axes) * indices.shape[1]
+        size = -(-policy.expert_buffer * rows // n) if policy.expert_buffer else rows
+        size = min(rows, 8 * -(-size // 8))
+        local = functools.partial(_exchanged, act=act, group=group, size=size)
+    row, lead = P(tuple(axes) or None, None), () if layer is None else (None,)
+    stack = P(*lead, group)
+    args, specs = (x, indices, weights, w1, w2, w3), (row, row, row, stack, stack, stack)
+    if layer is not None:
+        args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=row)(*args)
+
+
+def _devices(axes) -> int:
+    return math.prod(map(mesh_axis, axes))
+
+
+def _exchanged(x, indices, weights, w1, w2, w3, layer=None, *, act, group, size):
+    w1, w2, w3 = (of_layer(w, layer) for w in (w1, w2, w3))
+    return exchange(x, indices, weights, w1, w2, w3, act=act, group=group, size=size)
+
+
+def _owned(x, indices, weights, w1, w2, w3, layer=None, *, act, group, policy):
+    # The tokens on every device of `group`: each runs the assignments to its own experts and
+    # the partial outputs are summed over the group. With `expert_buffer`, where a round of
+    # that many times a device's even share of the assignments is fewer rows than its
+    # experts: its own assignments only, a round at a time, each row through its expert read
+    # from the stack in place (`_assignment_rows`), so a decode step reads about the experts
+    # its tokens chose, not every local one. Otherwise `dispatch` over its experts.
+    n_local = w2.shape[-3]
+    first = jax.lax.axis_index(group) * n_local
+    mine = (indices >= first) & (indices < first + n_local)
+    ids, mine_weights = jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
+    tokens, top_k = ids.shape
+    rows = tokens * top_k
+    size = -(-policy.expert_buffer * rows // math.prod(map(mesh_axis, group)))
+    if not 0 < size < min(n_local, rows):
+        return jax.lax.psum(dispatch(x, ids, mine_weights, w1, w2, w3, *act, policy, layer), group)
+    # Every operand varies alike first (`_alike`): no collective may land in a round, which
+    # some devices skip.
+    x, ids, mine_weights, w1, w2, w3 = _alike(x, ids.reshape(-1), mine_weights, w1, w2, w3)
+    flat = mine_weights.reshape(-1)
+
+    def run(y, start, picked, held):
+        token, chosen = picked // top_k, jnp.where(held, ids[picked], n_local)
+        out = _assignment_rows(x[token], chosen, flat[picked], w1, w2, w3, layer, None, act, policy)
+        return y.at[token].add(out)
+
+    y = varying_like(jnp.zeros((tokens, w2.shape[-2]), jnp.float32), x)
+    return jax.lax.psum(in_rounds(y, ids, n_local, size, run), group)
+
+
+def exchange(x, indices, weights, w1, w2, w3, *, act, group, size):
+    """Inside a `shard_map`: this device's tokens `x` `[tokens, d_model]`, their assignments
+    (`indices`, `weights`: `[tokens, top_k]`, global expert ids) and its own experts' weights
+    (`[experts / n, ...]`, the n devices of the mesh axes `group` holding the experts in the
+    order of their index over `group`). Each round sends each device at most `size` of the
+    rows routed to its experts. `act`: (SwiGLU limit, numerics).
+
+    **Returns:** float32 `[tokens, d_model]`: each token's sum over its assignments of the
+    routing weight times its expert's output, each output rounded to `x.dtype` (as
+    `dispatch`'s ragged form)."""
+    return _exchange(act, group, size, x, indices, weights, w1, w2, w3)
+
+
+def max_rounds(rows: int, size: int) -> int:
+    """The rounds a device's `rows` assignments can need at `size` rows per destination: all
+    of them routed to one device's experts."""
+    return -(-rows // size)
+
+
+def _plan(indices, n, n_local, size):
+    # The rows (assignments, flat) sorted by destination device, and a function of the round
+    # giving, per destination and slot, the row sent (`[n, size]`) and whether it holds one.
+    expert = indices.reshape(-1)
+    rows = expert.shape[0]
+    dest = expert // n_local
+    order = jnp.argsort(dest, stable=True)
+    counts = jnp.bincount(dest, length=n).astype(jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    slots = jnp.arange(size, dtype=jnp.int32)
+
+    def at(start):
+        valid = start + slots[None] < counts[:, None]
+        row = order[jnp.minimum(starts[:, None] + start + slots[None], rows - 1)]
+        return row, valid
+
+    return at, counts, expert % n_local
+
+
+def _rounds_needed(counts, size, axes):
+    # The same count on every device: the most loaded (source, destination) pair's.
+    need = jnp.max(-(-counts // size))
+    return jax.lax.pmax(need, axes) if axes else need
+
+
+def _send(a, group):
+    return jax.lax.all_to_all(a, group, 0, 0, tiled=True)
+
+
+def _local(xs, ids, ws, w1, w2, w3, act):
+    # The rows received (`ids`: local expert, `n_local` for an empty slot) through their
+    # experts: sorted by expert, ragged products, back in slot order. An empty slot sorts
+    # after every group, outside the products; what its row holds is never used (its
+    # sender drops it), so nothing is zeroed.
+    n_local = w1.shape[0]
+    order = jnp.argsort(ids, stable=True)
+    counts = jnp.bincount(ids, length=n_local).astype(jnp.int32)
+    ys = _grouped_mlp(xs[order], ws[order], counts, w1, w2, w3, act)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return ys[back]
+
+
+def _over_rounds(body, carry, need, last):
+    # `body(carry, start)` for rounds 0..need-1 of at most `last` (a loop that skips the rounds
+    # past `need`, which is the same on every device); one round without a loop.
+    if last == 1:
+        return body(carry, jnp.int32(0))
+
+    def one(carry, r):
+        return jax.lax.cond(r < need, body, lambda c, _: c, carry, r), None
+
+    return jax.lax.scan(one, carry, jnp.arange(last, dtype=jnp.int32))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _exchange(act, group, size, x, indices, weights, w1, w2, w3):
+    return _forward(act, group, size, x, indices, weights, w1, w2, w3)
+
+
+def _forward(act, group, size, x, indices, weights, w1, w2, w3):
+    n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
+    tokens, top_k = indices.shape
+    at, counts, local = _plan(indices, n, n_local, size)
+    flat = weights.reshape(-1)
+    axes = tuple(sorted(_varying(x)))
+    need = _rounds_needed(counts, size, axes)
+
+    def body(y, r):
+        row, valid = at(r * size)
+        token = row // top_k
+        # An empty slot carries some row of `x` (not zeroed: it is outside every product).
+        sent = (x[token], jnp.where(valid, local[row], n_local), jnp.where(valid, flat[row], 0))
+        xs, ids, ws = (_send(a, group) for a in sent)
+        out = _local(xs.reshape(n * size, -1), ids.reshape(-1), ws.reshape(-1), w1, w2, w3, act)
+        back = _send(out.reshape(n, size, -1), group)
+        target = jnp.where(valid, token, tokens)
+        return y.at[target].add(back.astype(jnp.float32), mode="drop")
+
+    y = varying_like(jnp.zeros((tokens, w2.shape[1]), jnp.float32), x, w1)
+    return _over_rounds(body, y, need, max_rounds(tokens * top_k, size))
+
+
+def _exchange_fwd(act, group, size, x, indices, weights, w1, w2, w3):
+    y = _forward(act, group, size, x, indices, weights, w1, w2, w3)
+    return y, (x, indices, weights, w1, w2, w3)
+
+
+def _exchange_bwd(act, group, size, residuals, grad):
+    x, indices, weights, w1, w2, w3 = residuals
+    n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
+    tokens, top_k = indices.shape
+    rows = tokens * top_k
+    at, counts, local = _plan(indices, n, n_local, size)
+    flat = weights.reshape(-1)
+    need = _rounds_needed(counts, size, tuple(sorted(_varying(x))))
+    # The experts' cotangents vary over the tokens' axes (`data` too, over which the experts
+    # are replicated): each round's are taken as such and summed over those axes once, after
+    # the rounds (`_summed_like`), not in every round.
+    held = tuple(varying_like(w, x) for w in (w1, w2, w3))
+
+    def body(carry, r):
+        dx, dflat, dws = carry
+        row, valid = at(r * size)
+        token = row // top_k
+        sent = (
+            x[token],
+            jnp.where(valid, local[row], n_local),
+            jnp.where(valid, flat[row], 0),
+            # The outputs were rounded to x.dtype before their float32 sum: so their
+            # cotangents.
+            grad[token].astype(x.dtype),
+        )
+        xs, ids, ws, gs = (_send(a, group) for a in sent)
+        ids = ids.reshape(-1)
+
+        def run(xs, ws, w1, w2, w3):
+            return _local(xs, ids, ws, w1, w2, w3, act)
+
+        primals = (xs.reshape(n * size, -1), ws.reshape(-1), *held)
+        d_xs, d_ws, *d_w = jax.vjp(run, *primals)[1](gs.reshape(n * size, -1))
+        back_x = _send(d_xs.reshape(n, size, -1), group)
+        back_w = _send(d_ws.reshape(n, size), group)
+        dx = dx.at[jnp.where(valid, token, tokens)].add(back_x.astype(jnp.float32), mode="drop")
+        dflat = dflat.at[jnp.where(valid, row, rows)].add(back_w, mode="drop")
+        dws = tuple(a + b.astype(a.dtype) for a, b in zip(dws, d_w, strict=True))
+        return dx, dflat, dws
+
+    operands = (x, grad, w1)
+    carry = (
+        varying_like(jnp.zeros(x.shape, jnp.float32), *operands),
+        varying_like(jnp.zeros((rows,), flat.dtype), *operands),
+        tuple(varying_like(jnp.zeros(w.shape, jnp.float32), *operands) for w in (w1, w2, w3)),
+    )
+    dx, dflat, dws = _over_rounds(body, carry, need, max_rounds(rows, size))
+    dws = tuple(_summed_like(d, w).astype(w.dtype) for d, w in zip(dws, (w1, w2, w3), strict=True))
+    return (dx.astype(x.dtype), None, dflat.reshape(weights.shape), *dws)
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
