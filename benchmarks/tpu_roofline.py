@@ -9,7 +9,10 @@ policy, bf16 activations, one 4096-token sequence per `fsdp` row, a decode step 
 sequences and of one). The "before" rows are the prefill and the decode step under the
 policy's earlier forms (`BEFORE`: the layers' slices behind a barrier, a decode step's tokens
 split along the batch, the tokens of at most 64 assignments travelling to the experts, a
-prefill's sequences whole on each chip of an `expert` row), compiled in the same run.
+prefill's sequences whole on each chip of an `expert` row), compiled in the same run. The
+`flash-b-64-exchange` rows hold the routed experts whole on each chip
+(`--rule experts=expert+fsdp`, `parallel.EXCHANGE_RULES`) and exchange a prefill's rows by
+all-to-all (`--policy expert_exchange=true`).
 `--unrolled` because XLA's cost analysis counts a loop's body once: with the layers scanned it
 would cover one layer of each scanned group. XLA's per-chip FLOPs and bytes accessed become a
 step time at v5p's published peak (`PEAK_FLOPS`, `HBM_BYTES_PER_S`): `max(FLOPs / peak,
@@ -125,11 +128,22 @@ RUNS = {
     "flash-q-64": Run("v4-flash", True, ("prefill", "decode")),
     # V4-Pro on the same slice and mesh (issue 46, point 7).
     "pro-b-64": Run("v4-pro", False, ("prefill", "decode")),
+    # The routed experts split whole over expert x fsdp and their rows exchanged by
+    # all-to-all (`Policy.expert_exchange`, `parallel.EXCHANGE_RULES`); a decode step's tokens
+    # stay on every chip, each running its own experts' share.
+    "flash-b-64-exchange": Run(
+        "v4-flash",
+        False,
+        ("prefill", "decode"),
+        policy=("expert_exchange=true",),
+        rules=("experts=expert+fsdp",),
+        label=", experts exchanged",
+    ),
 }
 # What a run without `--only` compiles (`flash-q-64` on request).
 DEFAULT_RUNS = ("flash-b-64", "flash-b-64-before", "flash-b-64-batch-64")
 DEFAULT_RUNS += ("flash-b-64-batch-64-before",)
-DEFAULT_RUNS += ("flash-b-64-1m", "flash-b-64-1m-batch-1", "pro-b-64")
+DEFAULT_RUNS += ("flash-b-64-1m", "flash-b-64-1m-batch-1", "pro-b-64", "flash-b-64-exchange")
 
 
 def compile_report(name: str, phase: str, work: pathlib.Path, layers: int | None = None) -> dict:
