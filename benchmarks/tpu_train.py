@@ -28,6 +28,10 @@ names its `policy` since the TPU policy took `ragged_dot`; the older rows have n
   assignments fit one round); where the weights are gathered, the backward is one round of
   every row (`expert` times over again). Either way the time is an upper bound and the MFU a
   lower bound.
+The `flash-256-exchange` row holds the routed experts whole on each chip (`--rule
+experts=expert+fsdp`) and exchanges their rows by all-to-all (`--policy expert_exchange=true`),
+its gradient by the same rounds backward: a device's buffers hold `expert_buffer` times its even
+share of the rows it receives, counted over every row of them (a lower bound, as above).
 Estimates from the compiler on a CPU host; no TPU ran them.
 
     python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]
@@ -63,12 +67,19 @@ RUNS = {
     "flash-64-f16": ("v4-flash", "v5p:4x4x4", "fsdp=16,expert=4", 16, "dots", 1, True),
     "flash-128": ("v4-flash", "v5p:4x4x8", "fsdp=16,expert=8", 16, "dots", 1, True),
     "flash-256": ("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, True),
+    # The routed experts whole on each chip, their rows exchanged by all-to-all (`POLICIES`).
+    "flash-256-exchange": (
+        *("v4-flash", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, True),
+        ("experts=expert+fsdp",),
+    ),
     "pro-256": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "dots", 1, False),
     "pro-256-nothing": ("v4-pro", "v5p:4x8x8", "fsdp=32,expert=8", 32, "nothing", 1, False),
     "pro-256-e16": ("v4-pro", "v5p:4x8x8", "fsdp=16,expert=16", 16, "dots", 1, False),
     "pro-512": ("v4-pro", "v5p:8x8x8", "fsdp=16,expert=32", 16, "nothing", 1, True),
 }
 COST_LAYERS = (5, 7)
+# name -> the fields of the TPU's execution policy a run overrides (`--policy`).
+POLICIES = {"flash-256-exchange": ("expert_exchange=true",)}
 
 
 def overrides(name: str) -> tuple[str, ...]:
@@ -80,6 +91,7 @@ def arguments(name: str, out: pathlib.Path, layers: int | None = None) -> list[s
     model, topology, mesh, batch, remat, micro = RUNS[name][:6]
     args = compile_arguments(model, False, topology, mesh, "train", out)
     args += [a for rule in overrides(name) for a in ("--rule", rule)]
+    args += [a for field in POLICIES.get(name, ()) for a in ("--policy", field)]
     args += ["--batch", str(batch), "--seq-len", str(SEQ_LEN), "--remat", remat]
     args += ["--micro-batches", str(micro)]
     return args + (["--layers", str(layers), "--unrolled"] if layers else [])
@@ -174,7 +186,7 @@ def cells(name: str, row: dict) -> list:
     chips = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
     recorded = f" ({row['recorded']})" if "recorded" in row else ""
     out = [model + recorded, f"{chips} ({topology})", mesh, SEQ_LEN, batch]
-    out += [", ".join((remat, *overrides(name))), micro]
+    out += [", ".join((remat, *overrides(name), *POLICIES.get(name, ()))), micro]
     memory, costs = row["memory"], row["costs"]
     if "error" in memory:
         why = out_of_memory(memory["error"])

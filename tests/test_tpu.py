@@ -274,6 +274,39 @@ def test_compile_command_train_step_for_a_topology(tmp_path, tpu_mesh):
     assert train["alias_bytes"] > 0.9 * train["output_bytes"] > 0
 
 
+def test_exchanged_experts_compile_for_tpu(tpu_mesh):
+    # The routed experts whole on each chip and their rows exchanged (`Policy.expert_exchange`,
+    # `EXCHANGE_RULES`): libtpu's compiler takes the rounds' all-to-alls and their custom
+    # backward (a train step's gradients of the weights, rows and routing weights), and no
+    # expert's weights are gathered.
+    rules = ed.parallel.ShardingRules.for_mesh(tpu_mesh).replace(**ed.parallel.EXCHANGE_RULES)
+    experts = eqx.filter_eval_shape(
+        ed.nn.Experts, CONFIG, key=jax.random.key(0), dtype=jnp.bfloat16
+    )
+    experts = _placed(experts, ed.parallel.named_shardings(experts, tpu_mesh, rules))
+    # More assignments than the TPU policy's `stationary_rows`, split over every chip.
+    tokens, top_k = 1024, CONFIG.num_experts_per_tok
+    rows = NamedSharding(tpu_mesh, P(AXES[:2]))
+    x = jax.ShapeDtypeStruct((tokens, CONFIG.hidden_size), jnp.bfloat16, sharding=rows)
+    ids = jax.ShapeDtypeStruct((tokens, top_k), jnp.int32, sharding=rows)
+    w = jax.ShapeDtypeStruct((tokens, top_k), jnp.float32, sharding=rows)
+
+    def gradients(experts, x, ids, w):
+        def loss(diff):
+            experts, x, w = diff
+            return jnp.sum(experts(x, ids, w).astype(jnp.float32))
+
+        return eqx.filter_grad(loss)((experts, x, w))
+
+    with jax.set_mesh(tpu_mesh):  # the TPU's policy, with the exchange
+        policy = dataclasses.replace(resolve(None), expert_exchange=True)
+        experts = ed.execution.with_policy(experts, policy)
+        lowered = jax.jit(gradients).lower(experts, x, ids, w)
+    text = lowered.as_text()
+    assert "all_to_all" in text and "all_gather" not in text
+    assert lowered.compile().memory_analysis().temp_size_in_bytes > 0
+
+
 # A decode step's cache write into a stack, as XLA's TPU backend fuses it: the stack's four
 # rows [layer 0, sequence b, entry i] set to the converted updates, in place.
 _SCATTER_HLO = """
