@@ -30,8 +30,8 @@ names its `policy` since the TPU policy took `ragged_dot`; the older rows have n
   lower bound.
 The `flash-256-exchange` row holds the routed experts whole on each chip (`--rule
 experts=expert+fsdp`) and exchanges their rows by all-to-all (`--policy expert_exchange=true`),
-its gradient by the same rounds backward: a device's buffers hold `expert_buffer` times its even
-share of the rows it receives, counted over every row of them (a lower bound, as above).
+its gradient by the same rounds backward: each expert's slots hold `expert_buffer` times its
+even share of a device's rows, counted over every slot (a lower bound, as above).
 Estimates from the compiler on a CPU host; no TPU ran them.
 
     python benchmarks/tpu_train.py [--only flash-256 ...] [--work /tmp/tpu-train]

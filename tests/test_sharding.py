@@ -285,7 +285,7 @@ def test_ragged_expert_parallel_equals_one_device(routing, buffer, mesh_shape, s
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
 
 
-# (mesh, buffer, routing, tokens, rounds): rows to each device at twice or at once their even
+# (mesh, buffer, routing, tokens, rounds): rows to each expert at twice or at once their even
 # share (rounded up to 8 rows: two rounds of a device's 16), every row in one buffer (0), or
 # every token on the first device's experts (all of the rounds a device's rows can need);
 # few tokens (a decode step's) stay on every device of the group, which each run their own
@@ -306,7 +306,8 @@ EXCHANGES = [
 def test_exchanged_experts_equal_one_device(mesh_shape, buffer, routing, tokens, rounds):
     # `Policy.expert_exchange`, the experts split whole over expert x fsdp (`EXCHANGE_RULES`):
     # each device sends its tokens' rows to the devices that own their experts by all-to-all
-    # and gets their outputs back, in rounds of `buffer` times its even share; few tokens
+    # and gets their outputs back, in rounds of `buffer` times each expert's even share of
+    # them; few tokens
     # stay on every device of the group, which each run their own experts' share. Outputs
     # and gradients (the custom VJP's rounds backward) equal one device's however the
     # router chooses, and no expert's weights are gathered.

@@ -7,9 +7,9 @@ row travels to one device and back, and the work and the buffers follow a device
 of the assignments, not its group's tokens. Few tokens (a decode step's) stay on every device,
 which each run their own experts' share (`_owned`), summed over the devices.
 
-Dropless in rounds: a device sends each other device at most `size` rows at a time, for as
-many rounds as the most loaded pair of devices needs (the same count on every device, so that
-every device takes part in every round's exchange). The gradient is written out (a custom VJP)
+Dropless in rounds: a device sends each expert at most `size` rows at a time (a block of slots
+per expert), for as many rounds as the most loaded (device, expert) pair needs (the same count
+on every device, so that every device takes part in every round's exchange). The gradient is written out (a custom VJP)
 as the same rounds run backward: each round's rows, with their outputs' cotangents, travel to
 their experts again, which recompute them and send the inputs' and routing weights'
 cotangents back; the experts' own gradients stay where the experts are.
@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ..quant import LoraWeight, QuantizedWeight
-from ._dispatch import _alike, _assignment_rows, _grouped_mlp, dispatch, in_rounds, of_layer
-from ._expert_loop import _summed_like, _varying, varying_like
+from ..quant import LoraWeight, QuantizedWeight, act_quant
+from ._dispatch import _alike, _assignment_rows, dispatch, in_rounds, of_layer
+from ._expert_loop import _summed_like, _varying, swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy
+from ._products import wider_dtype
 
 
 def by_owners(x, indices, weights, w1, w2, w3, limit, numerics, policy: Policy, layer, *, few):
@@ -51,10 +52,10 @@ def by_owners(x, indices, weights, w1, w2, w3, limit, numerics, policy: Policy, 
         local = functools.partial(_owned, act=act, group=group, policy=policy)
         axes = [a for a in axes if a not in group]
     else:
-        # A round sends each device at most `expert_buffer` times its even share (8-row
-        # multiples), all of a device's rows at once without it.
+        # A round sends each expert at most `expert_buffer` times its even share of a
+        # device's rows (8-row multiples), all of them at once without it.
         rows = x.shape[0] // _devices(axes) * indices.shape[1]
-        size = -(-policy.expert_buffer * rows // n) if policy.expert_buffer else rows
+        size = -(-policy.expert_buffer * rows // w1.shape[-3]) if policy.expert_buffer else rows
         size = min(rows, 8 * -(-size // 8))
         local = functools.partial(_exchanged, act=act, group=group, size=size)
     row, lead = P(tuple(axes) or None, None), () if layer is None else (None,)
@@ -109,8 +110,10 @@ def exchange(x, indices, weights, w1, w2, w3, *, act, group, size):
     """Inside a `shard_map`: this device's tokens `x` `[tokens, d_model]`, their assignments
     (`indices`, `weights`: `[tokens, top_k]`, global expert ids) and its own experts' weights
     (`[experts / n, ...]`, the n devices of the mesh axes `group` holding the experts in the
-    order of their index over `group`). Each round sends each device at most `size` of the
-    rows routed to its experts. `act`: (SwiGLU limit, numerics).
+    order of their index over `group`). Each round sends each expert at most `size` of the
+    rows routed to it (a slot per row, `[devices, local experts, size]`), which its device
+    runs by one product per expert over its slots from every device. `act`: (SwiGLU limit,
+    numerics).
 
     **Returns:** float32 `[tokens, d_model]`: each token's sum over its assignments of the
     routing weight times its expert's output, each output rounded to `x.dtype` (as
@@ -119,32 +122,32 @@ def exchange(x, indices, weights, w1, w2, w3, *, act, group, size):
 
 
 def max_rounds(rows: int, size: int) -> int:
-    """The rounds a device's `rows` assignments can need at `size` rows per destination: all
-    of them routed to one device's experts."""
+    """The rounds a device's `rows` assignments can need at `size` rows per expert: all of
+    them routed to one expert."""
     return -(-rows // size)
 
 
 def _plan(indices, n, n_local, size):
-    # The rows (assignments, flat) sorted by destination device, and a function of the round
-    # giving, per destination and slot, the row sent (`[n, size]`) and whether it holds one.
+    # The rows (assignments, flat) sorted by expert (so by device, then local expert), and a
+    # function of the round giving, per device, local expert and slot, the row sent
+    # (`[n, n_local, size]`) and whether it holds one; the rows per expert `[n, n_local]`.
     expert = indices.reshape(-1)
     rows = expert.shape[0]
-    dest = expert // n_local
-    order = jnp.argsort(dest, stable=True)
-    counts = jnp.bincount(dest, length=n).astype(jnp.int32)
-    starts = jnp.cumsum(counts) - counts
-    slots = jnp.arange(size, dtype=jnp.int32)
+    order = jnp.argsort(expert, stable=True)
+    counts = jnp.bincount(expert, length=n * n_local).astype(jnp.int32)
+    starts = (jnp.cumsum(counts) - counts).reshape(n, n_local, 1)
+    counts = counts.reshape(n, n_local, 1)
+    slots = jnp.arange(size, dtype=jnp.int32)[None, None]
 
     def at(start):
-        valid = start + slots[None] < counts[:, None]
-        row = order[jnp.minimum(starts[:, None] + start + slots[None], rows - 1)]
-        return row, valid
+        valid = start + slots < counts
+        return order[jnp.minimum(starts + start + slots, rows - 1)], valid
 
-    return at, counts, expert % n_local
+    return at, counts
 
 
 def _rounds_needed(counts, size, axes):
-    # The same count on every device: the most loaded (source, destination) pair's.
+    # The same count on every device: the most loaded (device, expert) pair's.
     need = jnp.max(-(-counts // size))
     return jax.lax.pmax(need, axes) if axes else need
 
@@ -153,17 +156,23 @@ def _send(a, group):
     return jax.lax.all_to_all(a, group, 0, 0, tiled=True)
 
 
-def _local(xs, ids, ws, w1, w2, w3, act):
-    # The rows received (`ids`: local expert, `n_local` for an empty slot) through their
-    # experts: sorted by expert, ragged products, back in slot order. An empty slot sorts
-    # after every group, outside the products; what its row holds is never used (its
-    # sender drops it), so nothing is zeroed.
-    n_local = w1.shape[0]
-    order = jnp.argsort(ids, stable=True)
-    counts = jnp.bincount(ids, length=n_local).astype(jnp.int32)
-    ys = _grouped_mlp(xs[order], ws[order], counts, w1, w2, w3, act)
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    return ys[back]
+def _local(xs, ws, w1, w2, w3, act):
+    # The slots received, `[devices, local experts, slots, d_model]`, through their experts:
+    # per expert one product over its slots from every device, no sort. An empty slot holds
+    # some row of `x` and a zero routing weight; its output is never used (its sender drops
+    # it), so nothing is masked.
+    limit, numerics = act
+    c = wider_dtype(xs, w1)
+    # 16-bit operands' products are exact in the float32 accumulator at any precision.
+    precision = jax.lax.Precision.DEFAULT if jnp.dtype(c).itemsize < 4 else None
+
+    def product(spec, a, w):
+        a, w = a.astype(c), w.astype(c)
+        return jnp.einsum(spec, a, w, precision=precision, preferred_element_type=jnp.float32)
+
+    g, u = product("slcd,lhd->slch", xs, w1), product("slcd,lhd->slch", xs, w3)
+    h = act_quant((swiglu(g, u, limit) * ws[..., None]).astype(xs.dtype), numerics)
+    return product("slch,ldh->slcd", h, w2).astype(xs.dtype)
 
 
 def _over_rounds(body, carry, need, last):
@@ -186,19 +195,15 @@ def _exchange(act, group, size, x, indices, weights, w1, w2, w3):
 def _forward(act, group, size, x, indices, weights, w1, w2, w3):
     n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
     tokens, top_k = indices.shape
-    at, counts, local = _plan(indices, n, n_local, size)
+    at, counts = _plan(indices, n, n_local, size)
     flat = weights.reshape(-1)
-    axes = tuple(sorted(_varying(x)))
-    need = _rounds_needed(counts, size, axes)
+    need = _rounds_needed(counts, size, tuple(sorted(_varying(x))))
 
     def body(y, r):
         row, valid = at(r * size)
         token = row // top_k
-        # An empty slot carries some row of `x` (not zeroed: it is outside every product).
-        sent = (x[token], jnp.where(valid, local[row], n_local), jnp.where(valid, flat[row], 0))
-        xs, ids, ws = (_send(a, group) for a in sent)
-        out = _local(xs.reshape(n * size, -1), ids.reshape(-1), ws.reshape(-1), w1, w2, w3, act)
-        back = _send(out.reshape(n, size, -1), group)
+        xs, ws = _send(x[token], group), _send(jnp.where(valid, flat[row], 0), group)
+        back = _send(_local(xs, ws, w1, w2, w3, act), group)
         target = jnp.where(valid, token, tokens)
         return y.at[target].add(back.astype(jnp.float32), mode="drop")
 
@@ -216,7 +221,7 @@ def _exchange_bwd(act, group, size, residuals, grad):
     n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
     tokens, top_k = indices.shape
     rows = tokens * top_k
-    at, counts, local = _plan(indices, n, n_local, size)
+    at, counts = _plan(indices, n, n_local, size)
     flat = weights.reshape(-1)
     need = _rounds_needed(counts, size, tuple(sorted(_varying(x))))
     # The experts' cotangents vary over the tokens' axes (`data` too, over which the experts
@@ -228,24 +233,15 @@ def _exchange_bwd(act, group, size, residuals, grad):
         dx, dflat, dws = carry
         row, valid = at(r * size)
         token = row // top_k
-        sent = (
-            x[token],
-            jnp.where(valid, local[row], n_local),
-            jnp.where(valid, flat[row], 0),
-            # The outputs were rounded to x.dtype before their float32 sum: so their
-            # cotangents.
-            grad[token].astype(x.dtype),
-        )
-        xs, ids, ws, gs = (_send(a, group) for a in sent)
-        ids = ids.reshape(-1)
+        # The outputs were rounded to x.dtype before their float32 sum: so their cotangents.
+        sent = (x[token], jnp.where(valid, flat[row], 0), grad[token].astype(x.dtype))
+        xs, ws, gs = (_send(a, group) for a in sent)
 
         def run(xs, ws, w1, w2, w3):
-            return _local(xs, ids, ws, w1, w2, w3, act)
+            return _local(xs, ws, w1, w2, w3, act)
 
-        primals = (xs.reshape(n * size, -1), ws.reshape(-1), *held)
-        d_xs, d_ws, *d_w = jax.vjp(run, *primals)[1](gs.reshape(n * size, -1))
-        back_x = _send(d_xs.reshape(n, size, -1), group)
-        back_w = _send(d_ws.reshape(n, size), group)
+        d_xs, d_ws, *d_w = jax.vjp(run, xs, ws, *held)[1](gs)
+        back_x, back_w = _send(d_xs, group), _send(d_ws, group)
         dx = dx.at[jnp.where(valid, token, tokens)].add(back_x.astype(jnp.float32), mode="drop")
         dflat = dflat.at[jnp.where(valid, row, rows)].add(back_w, mode="drop")
         dws = tuple(a + b.astype(a.dtype) for a, b in zip(dws, d_w, strict=True))

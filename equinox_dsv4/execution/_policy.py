@@ -78,8 +78,8 @@ class Policy:
       step) travel by `all_to_all` to the devices that own their experts and back
       (`execution/_exchange.py`), the experts split whole over `expert` and `fsdp` (the
       `experts` rule `("expert", "fsdp")`) and the tokens over the same axes: each row goes
-      to one device, and a device's buffers hold `expert_buffer` times its even share of
-      the rows it receives (0: every row it could receive), in as many rounds as they need.
+      to one device, and each expert's slots hold `expert_buffer` times its even share of
+      a device's rows (0: every row it could receive), in as many rounds as they need.
       Dense weights without `tensor` splits; otherwise the forms above.
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
