@@ -9,10 +9,10 @@ which each run their own experts' share (`_owned`), summed over the devices.
 
 Dropless in rounds: a device sends each expert at most `size` rows at a time (a block of slots
 per expert), for as many rounds as the most loaded (device, expert) pair needs (the same count
-on every device, so that every device takes part in every round's exchange). The gradient is written out (a custom VJP)
-as the same rounds run backward: each round's rows, with their outputs' cotangents, travel to
-their experts again, which recompute them and send the inputs' and routing weights'
-cotangents back; the experts' own gradients stay where the experts are.
+on every device, so that every device takes part in every round's exchange). The gradient is
+written out (a custom VJP) as the same rounds run backward: each round's rows, with their
+outputs' cotangents, travel to their experts again, which recompute them and send the inputs'
+and routing weights' cotangents back; the experts' own gradients stay where the experts are.
 """
 
 import functools
