@@ -367,3 +367,27 @@ def _assignment_rows(x_rows, ids, row_weights, w1, w2, w3, layer, up, act, polic
         h = jax.lax.all_gather(h, "fsdp", axis=1, tiled=True)
     y = products(act_quant(h, act[1]), w2)
     return jnp.where((ids < n_local)[:, None], y, 0.0)
+
+
+def _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, size):
+    # This device's own assignments only, `size` at a time (`in_rounds`), through
+    # `_assignment_rows`, their outputs added into their tokens' float32 rows: each round
+    # reads `size` experts (or their slices), not one per assignment of the group's tokens.
+    # With `up` (`_stationary`'s hidden units split over fsdp) every device of an fsdp group
+    # holds the same tokens and experts and runs the same rounds, which meet in their fsdp
+    # collectives; without (`_exchange._owned`'s whole experts) a round holds none. Every
+    # operand varies over the same mesh axes first (`_alike`), so no other collective lands
+    # in a round, which some devices skip.
+    n_local, width = w2.shape[-3], w2.shape[-2]
+    tokens, top_k = local_ids.shape
+    ids = local_ids.reshape(-1)
+    x, ids, mine_weights, w1, w2, w3 = _alike(x, ids, mine_weights, w1, w2, w3)
+    flat_weights = mine_weights.reshape(-1)
+
+    def run(y, start, picked, held):
+        token, chosen = picked // top_k, jnp.where(held, ids[picked], n_local)
+        rows = (x[token], chosen, flat_weights[picked])
+        return y.at[token].add(_assignment_rows(*rows, w1, w2, w3, layer, up, act, policy))
+
+    y = varying_like(jnp.zeros((tokens, width), jnp.float32), x)
+    return in_rounds(y, ids, n_local, size, run)

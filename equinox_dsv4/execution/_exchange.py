@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..quant import LoraWeight, QuantizedWeight, act_quant
-from ._dispatch import _alike, _assignment_rows, dispatch, in_rounds, of_layer
+from ._dispatch import _own_rounds, dispatch, of_layer
 from ._expert_loop import _summed_like, _varying, swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
 from ._policy import Policy
@@ -81,29 +81,19 @@ def _owned(x, indices, weights, w1, w2, w3, layer=None, *, act, group, policy):
     # the partial outputs are summed over the group. With `expert_buffer`, where a round of
     # that many times a device's even share of the assignments is fewer rows than its
     # experts: its own assignments only, a round at a time, each row through its expert read
-    # from the stack in place (`_assignment_rows`), so a decode step reads about the experts
-    # its tokens chose, not every local one. Otherwise `dispatch` over its experts.
+    # from the stack in place (`_own_rounds`), so a decode step reads about the experts its
+    # tokens chose, not every local one. Otherwise `dispatch` over its experts.
     n_local = w2.shape[-3]
     first = jax.lax.axis_index(group) * n_local
     mine = (indices >= first) & (indices < first + n_local)
     ids, mine_weights = jnp.where(mine, indices - first, n_local), jnp.where(mine, weights, 0.0)
-    tokens, top_k = ids.shape
-    rows = tokens * top_k
+    rows = ids.size
     size = -(-policy.expert_buffer * rows // math.prod(map(mesh_axis, group)))
     if not 0 < size < min(n_local, rows):
-        return jax.lax.psum(dispatch(x, ids, mine_weights, w1, w2, w3, *act, policy, layer), group)
-    # Every operand varies alike first (`_alike`): no collective may land in a round, which
-    # some devices skip.
-    x, ids, mine_weights, w1, w2, w3 = _alike(x, ids.reshape(-1), mine_weights, w1, w2, w3)
-    flat = mine_weights.reshape(-1)
-
-    def run(y, start, picked, held):
-        token, chosen = picked // top_k, jnp.where(held, ids[picked], n_local)
-        out = _assignment_rows(x[token], chosen, flat[picked], w1, w2, w3, layer, None, act, policy)
-        return y.at[token].add(out)
-
-    y = varying_like(jnp.zeros((tokens, w2.shape[-2]), jnp.float32), x)
-    return jax.lax.psum(in_rounds(y, ids, n_local, size, run), group)
+        y = dispatch(x, ids, mine_weights, w1, w2, w3, *act, policy, layer)
+    else:
+        y = _own_rounds(x, ids, mine_weights, w1, w2, w3, layer, None, act, policy, size)
+    return jax.lax.psum(y, group)
 
 
 def exchange(x, indices, weights, w1, w2, w3, *, act, group, size):
@@ -127,10 +117,12 @@ def max_rounds(rows: int, size: int) -> int:
     return -(-rows // size)
 
 
-def _plan(indices, n, n_local, size):
+def _plan(x, indices, weights, group, n_local, size):
     # The rows (assignments, flat) sorted by expert (so by device, then local expert), and a
     # function of the round giving, per device, local expert and slot, the row sent
-    # (`[n, n_local, size]`) and whether it holds one; the rows per expert `[n, n_local]`.
+    # (`[n, n_local, size]`) and whether it holds one; the rounds to run, the same count on
+    # every device (the most loaded (device, expert) pair's); the routing weights, flat.
+    n = math.prod(map(mesh_axis, group))
     expert = indices.reshape(-1)
     rows = expert.shape[0]
     order = jnp.argsort(expert, stable=True)
@@ -143,13 +135,9 @@ def _plan(indices, n, n_local, size):
         valid = start + slots < counts
         return order[jnp.minimum(starts + start + slots, rows - 1)], valid
 
-    return at, counts
-
-
-def _rounds_needed(counts, size, axes):
-    # The same count on every device: the most loaded (device, expert) pair's.
     need = jnp.max(-(-counts // size))
-    return jax.lax.pmax(need, axes) if axes else need
+    axes = tuple(sorted(_varying(x)))
+    return at, jax.lax.pmax(need, axes) if axes else need, weights.reshape(-1)
 
 
 def _send(a, group):
@@ -193,11 +181,8 @@ def _exchange(act, group, size, x, indices, weights, w1, w2, w3):
 
 
 def _forward(act, group, size, x, indices, weights, w1, w2, w3):
-    n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
     tokens, top_k = indices.shape
-    at, counts = _plan(indices, n, n_local, size)
-    flat = weights.reshape(-1)
-    need = _rounds_needed(counts, size, tuple(sorted(_varying(x))))
+    at, need, flat = _plan(x, indices, weights, group, w1.shape[0], size)
 
     def body(y, r):
         row, valid = at(r * size)
@@ -218,12 +203,9 @@ def _exchange_fwd(act, group, size, x, indices, weights, w1, w2, w3):
 
 def _exchange_bwd(act, group, size, residuals, grad):
     x, indices, weights, w1, w2, w3 = residuals
-    n, n_local = math.prod(map(mesh_axis, group)), w1.shape[0]
     tokens, top_k = indices.shape
     rows = tokens * top_k
-    at, counts = _plan(indices, n, n_local, size)
-    flat = weights.reshape(-1)
-    need = _rounds_needed(counts, size, tuple(sorted(_varying(x))))
+    at, need, flat = _plan(x, indices, weights, group, w1.shape[0], size)
     # The experts' cotangents vary over the tokens' axes (`data` too, over which the experts
     # are replicated): each round's are taken as such and summed over those axes once, after
     # the rounds (`_summed_like`), not in every round.

@@ -24,7 +24,7 @@ from ..quant import (
     factor_specs,
     whole_blocks,
 )
-from ._dispatch import _alike, _assignment_rows, _ragged_rounds, dispatch, in_rounds, of_layer
+from ._dispatch import _assignment_rows, _own_rounds, _ragged_rounds, dispatch, of_layer
 from ._exchange import by_owners
 from ._expert_loop import swiglu, varying_like
 from ._mesh import batch_axes, mesh_axis
@@ -346,25 +346,3 @@ def _assignments(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy)
         policy,
     )
     return jnp.sum(y.reshape(tokens, top_k, -1), axis=1)
-
-
-def _own_rounds(x, local_ids, mine_weights, w1, w2, w3, layer, up, act, policy, size):
-    # This device's own assignments only, `size` at a time (`in_rounds`), through
-    # `_assignment_rows`, their outputs added into their tokens' float32 rows: each round
-    # reads `size` experts' slices, not one per assignment of the fsdp group's tokens. Every
-    # device of an fsdp group holds the same tokens and experts and runs the same rounds,
-    # which meet in their fsdp collectives; every operand varies over the same mesh axes
-    # first (`_alike`), so no other collective lands in a round.
-    n_local, width = w2.shape[-3], w2.shape[-2]
-    tokens, top_k = local_ids.shape
-    ids = local_ids.reshape(-1)
-    x, ids, mine_weights, w1, w2, w3 = _alike(x, ids, mine_weights, w1, w2, w3)
-    flat_weights = mine_weights.reshape(-1)
-
-    def run(y, start, picked, held):
-        token, chosen = picked // top_k, jnp.where(held, ids[picked], n_local)
-        rows = (x[token], chosen, flat_weights[picked])
-        return y.at[token].add(_assignment_rows(*rows, w1, w2, w3, layer, up, act, policy))
-
-    y = varying_like(jnp.zeros((tokens, width), jnp.float32), x)
-    return in_rounds(y, ids, n_local, size, run)
