@@ -4,10 +4,12 @@ memory analyses of the compiled programs.
 
 The workload: V4-Flash, bf16 weights and activations, v5p:4x8x8 (256 chips), fsdp 32 x expert 8,
 4096-token sequences, a global batch of 32, each framework's default remat (ours `"dots"`,
-MaxText's `full`), AdamW. Ours is `tpu_train.py`'s `flash-256` row. MaxText's is its own
-`deepseek4-284b` model compiled by its own `train_compile`, in its own environment (below), with
-these settings and its defaults for everything else (dropless routed experts through megablox's
-grouped matmul, `capacity_factor=-1`):
+MaxText's `full`), AdamW. Ours are `tpu_train.py`'s `flash-256` row (its default forms) and its
+`flash-256-exchange` row (the routed experts whole on each chip, their rows exchanged by
+all-to-all: `Policy.expert_exchange`). MaxText's is its own `deepseek4-284b` model compiled by
+its own `train_compile`, in its own environment (below), with these settings and its defaults
+for everything else (dropless routed experts through megablox's grouped matmul,
+`capacity_factor=-1`):
 
 - `compile_topology=v5p-512` (MaxText names a v5p slice by TensorCores: 4x8x8),
   `ici_fsdp_parallelism=32 ici_expert_parallelism=8`, every other parallelism 1;
@@ -55,9 +57,9 @@ MaxText's environment (a benchmark dependency, not CI; about 3 minutes of `pip`)
    and is not installed).
 
     python benchmarks/tpu_maxtext.py --maxtext MAXTEXT --maxtext-python V/bin/python
-        [--work /tmp/tpu-maxtext] [--only ours default rbf2]
+        [--work /tmp/tpu-maxtext] [--only ours ours-exchange default rbf2]
 
-Each compile takes 7-9 minutes on a 2-core host (9 in all); its JSON in `--work` is reused when
+Each compile takes 7-9 minutes on a 2-core host (12 in all); its JSON in `--work` is reused when
 there. Writes benchmarks/results/tpu_maxtext.{json,md}; with `--only`, the rows not compiled
 are kept from the results file with the date they were recorded.
 """
@@ -94,7 +96,11 @@ MAXTEXT_SETTINGS = (
     "enable_checkpointing=false",
 )
 CONFIGS = {"default": (), "rbf2": ("ragged_buffer_factor=2",)}
-OURS = "flash-256"
+# Our rows (`tpu_train.py`'s runs): its default forms, and the routed experts whole on each chip
+# with their rows exchanged by all-to-all (`Policy.expert_exchange`).
+OURS = {"ours": "flash-256", "ours-exchange": "flash-256-exchange"}
+# The model and tokens, the same in every row.
+WORKLOAD = OURS["ours"]
 
 
 def maxtext_arguments(config: str, layers: int | None) -> list[str]:
@@ -194,24 +200,24 @@ def charged(cost: dict, text: pathlib.Path) -> dict:
     return cost | {"bytes_accessed": cost["bytes_accessed"] + short, "pallas": pallas}
 
 
-def our_row(work: pathlib.Path) -> dict:
-    """Our row (`tpu_train.py`'s `OURS`): as `tpu_train.measured`, with each cost compile's
-    optimised module kept (`dump_flags`) to read its Pallas kernels (`charged`)."""
+def our_row(work: pathlib.Path, name: str) -> dict:
+    """Our row of `tpu_train.py`'s run `name`: as `tpu_train.measured`, with each cost
+    compile's optimised module kept (`dump_flags`) to read its Pallas kernels (`charged`)."""
     from tpu_memory import compiled  # noqa: PLC0415 (this project's environment)
     from tpu_train import COST_LAYERS, arguments, layers, mfu_is, roofline, useful_flops
 
-    memory = compiled(arguments(OURS, work / f"{OURS}.json"), work / f"{OURS}.json")
+    memory = compiled(arguments(name, work / f"{name}.json"), work / f"{name}.json")
     costs = []
     for n in COST_LAYERS:
-        out, dump = work / f"{OURS}-{n}.json", work / f"{OURS}-{n}.dump"
-        cost = compiled(arguments(OURS, out, n), out, env={"XLA_FLAGS": dump_flags(dump)})
+        out, dump = work / f"{name}-{n}.json", work / f"{name}-{n}.dump"
+        cost = compiled(arguments(name, out, n), out, env={"XLA_FLAGS": dump_flags(dump)})
         keep_dumped(dump, out.with_suffix(".hlo.txt"))
         if "error" not in cost:
             cost["phases"]["train"] = charged(cost["phases"]["train"], out.with_suffix(".hlo.txt"))
         costs.append(cost)
-    row = {"name": OURS, "memory": memory, "costs": costs}
+    row = {"name": name, "memory": memory, "costs": costs}
     if not any("error" in c for c in costs):
-        row |= roofline(costs, layers(OURS), useful_flops(OURS)) | {"mfu_is": mfu_is(costs)}
+        row |= roofline(costs, layers(name), useful_flops(name)) | {"mfu_is": mfu_is(costs)}
     return row
 
 
@@ -229,7 +235,7 @@ def maxtext_row(python: str, tree: pathlib.Path, config: str, work: pathlib.Path
     row = {"name": f"maxtext-{config}", "memory": memory, "costs": costs}
     if not any("error" in c for c in costs):
         shaped = [{"phases": {"train": c}} for c in costs]
-        row |= roofline(shaped, layers(OURS), useful_flops(OURS))
+        row |= roofline(shaped, layers(WORKLOAD), useful_flops(WORKLOAD))
     return row
 
 
@@ -270,7 +276,7 @@ def pallas_cell(costs: list[dict]) -> str:
     from tpu_train import COST_LAYERS, at_depth, layers  # noqa: PLC0415
 
     counts = "/".join(str(t["pallas"]["kernels"]) for t in trains)
-    added = at_depth(*(t["pallas"]["added_bytes"] for t in trains), layers(OURS))
+    added = at_depth(*(t["pallas"]["added_bytes"] for t in trains), layers(WORKLOAD))
     depths = "/".join(map(str, COST_LAYERS))
     return f"{counts} in the {depths}-layer programs; +{added / 2**30:.2f} GiB in the step"
 
@@ -282,7 +288,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["ours", *CONFIGS],
+        choices=[*OURS, *CONFIGS],
         help="these rows only; the others are kept from results/tpu_maxtext.json",
     )
     parser.add_argument("--work", default="/tmp/tpu-maxtext", help="per-compile JSON (reused)")
@@ -296,7 +302,7 @@ def main() -> int:
     from common import markdown, recorded, today, write  # noqa: PLC0415
     from tpu_train import layers  # noqa: PLC0415
 
-    wanted = args.only or ["ours", *CONFIGS]
+    wanted = args.only or [*OURS, *CONFIGS]
     if set(wanted) & set(CONFIGS) and not (args.maxtext and args.maxtext_python):
         parser.error("MaxText's rows need --maxtext and --maxtext-python (the docstring)")
     work = pathlib.Path(args.work)
@@ -304,14 +310,14 @@ def main() -> int:
     kept = {r["name"]: r for r in recorded("tpu_maxtext").get("rows", [])}
     date = today()
     rows = []
-    for key in ["ours", *CONFIGS]:
-        name = OURS if key == "ours" else f"maxtext-{key}"
+    for key in [*OURS, *CONFIGS]:
+        name = OURS.get(key, f"maxtext-{key}")
         if key not in wanted:
             if name in kept:
                 rows.append(kept[name])
             continue
-        if key == "ours":
-            row = our_row(work)
+        if key in OURS:
+            row = our_row(work, name)
         else:
             row = maxtext_row(args.maxtext_python, args.maxtext, key, work)
         rows.append({"recorded": date, **row})
@@ -320,7 +326,7 @@ def main() -> int:
     header += ["TFLOPs / chip", "GiB accessed / chip", "roofline s, v5p peak", "MFU estimate"]
     header += ["Pallas kernels, bytes their estimates left out"]
     table = markdown(header, [cells(r) for r in rows])
-    extra = {"maxtext_settings": MAXTEXT_SETTINGS, "configs": CONFIGS, "layers": layers(OURS)}
+    extra = {"maxtext_settings": MAXTEXT_SETTINGS, "configs": CONFIGS, "layers": layers(WORKLOAD)}
     extra["table"] = table  # the performance page's (docs/performance.md)
     write("tpu_maxtext", rows, table, extra)
     return 0

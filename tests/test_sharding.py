@@ -370,6 +370,31 @@ def test_exchanged_prefill_and_decode_equal_single_device(single):
     assert "all_to_all" in jaxpr
 
 
+def test_the_experts_placement_chooses_the_exchange(single):
+    # `DeepseekV4.resolved_policy`: a model whose routed experts are placed whole over
+    # expert x fsdp (`EXCHANGE_RULES`) and that sets no policy exchanges its rows (its
+    # prefill equals one device's); under the default rules, or where no `fsdp` splits them,
+    # it does not; a policy set on the model is its own.
+    model, ids, _, prefill, _ = single
+    mesh = ed.make_mesh(fsdp=2, expert=4)
+    exchange = ed.parallel.ShardingRules().replace(**ed.parallel.EXCHANGE_RULES)
+    placed = ed.shard(model, mesh, exchange)
+    policy = placed.resolved_policy()
+    assert policy.expert_exchange
+    assert not ed.shard(model, mesh).resolved_policy().expert_exchange
+    no_fsdp = ed.shard(model, ed.make_mesh(data=2, expert=4), exchange)
+    assert not no_fsdp.resolved_policy().expert_exchange
+    own = ed.execution.Policy.for_platform("cpu")
+    assert ed.execution.with_policy(placed, own).resolved_policy() == own
+    with jax.set_mesh(mesh):
+        cache = ed.parallel.shard_cache(placed.init_cache(8, 32), mesh)
+        fixed = ed.execution.with_policy(placed, policy)
+        jaxpr = jax.make_jaxpr(_decode)(fixed, ids[:, :20], cache)
+        out, _ = placed.decode(ids[:, :20], cache)
+    assert "all_to_all" in str(jaxpr)
+    np.testing.assert_allclose(out, prefill, **COMPONENT)
+
+
 @eqx.filter_jit
 def _value_and_grad(experts, x, ids, w):
     # The routed experts' outputs and the gradients of a loss of them: of the weights and the

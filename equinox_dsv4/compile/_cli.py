@@ -175,7 +175,8 @@ def parse_args(
         help="override a sharding rule (repeatable), e.g. embed=fsdp+expert: dense weights "
         "split over fsdp and expert (routed experts: over expert, and fsdp along their hidden "
         "units, expert_up, or d_model, expert_in and expert_out); experts=expert+fsdp: the "
-        "routed experts whole on each chip, as --policy expert_exchange=true takes them",
+        "routed experts whole on each chip, their rows exchanged by all-to-all (the policy's "
+        "expert_exchange, which this placement turns on)",
     )
     parser.add_argument(
         "--policy",
@@ -291,11 +292,13 @@ def run(args: argparse.Namespace, mesh_shape: dict[str, int], phases: list[str])
         model = eqx.filter_eval_shape(
             lambda m: ed.lora.add(m, rank=args.lora, key=jax.random.key(1)), model
         )
-    if args.policy:
-        platform = ed.execution.Policy.for_platform(devices[0].platform)
-        model = ed.execution.with_policy(model, dataclasses.replace(platform, **args.policy))
     rules = ed.parallel.ShardingRules.for_mesh(mesh).replace(**args.rules)
     model = placed(model, ed.parallel.named_shardings(model, mesh, rules))
+    # The policy the placed model resolves to (the platform's, with the routed experts' form
+    # that their placement takes), with the fields `--policy` overrides: fixed on the model,
+    # which the programs below trace as abstract arrays that carry no placement.
+    policy = dataclasses.replace(model.resolved_policy(), **args.policy)
+    model = ed.execution.with_policy(model, policy)
     cache = eqx.filter_eval_shape(lambda m: m.init_cache(batch, max_len), model)
     cache = placed(cache, ed.parallel.cache_shardings(cache, mesh))
     param_bytes = ed.quant.weight_bytes(model)["total"]

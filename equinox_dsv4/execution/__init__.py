@@ -13,6 +13,7 @@ May import: config, quant.
 
 from ._attention import attend_blocks as attend_blocks
 from ._dispatch import dispatch as dispatch
+from ._exchange import held_whole as held_whole
 from ._expert_loop import expert_mlps as expert_mlps, swiglu as swiglu
 from ._experts import expert_parallel as expert_parallel, routed_experts as routed_experts
 from ._loop import (

@@ -17,10 +17,11 @@ and routing weights' cotangents back; the experts' own gradients stay where the 
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..quant import LoraWeight, QuantizedWeight, act_quant
 from ._dispatch import _own_rounds, dispatch, of_layer
@@ -65,6 +66,27 @@ def by_owners(x, indices, weights, w1, w2, w3, limit, numerics, policy: Policy, 
         args, specs = args + (jnp.asarray(layer, jnp.int32),), specs + (P(),)
     mesh = jax.sharding.get_abstract_mesh()
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=row)(*args)
+
+
+def held_whole(w1: Any) -> bool:
+    """Whether the routed experts' `w1` (`[..., experts, hidden, d_model]`, a placed array or
+    `ShapeDtypeStruct`) is split whole over `fsdp` and `expert` (the `experts` rule
+    `("expert", "fsdp")`, `parallel.EXCHANGE_RULES`): the placement `Policy.expert_exchange`
+    takes, which a model so placed resolves to (`DeepseekV4.resolved_policy`). Never under
+    the default rules, which split the experts over `expert` alone."""
+    sharding = getattr(w1, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or getattr(w1, "ndim", 0) < 3:
+        return False
+    spec = (*sharding.spec, *(None,) * (w1.ndim - len(sharding.spec)))
+    sizes = dict(sharding.mesh.shape)
+
+    def split(entry) -> set:
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        return {a for a in axes if a is not None and sizes.get(a, 1) > 1}
+
+    group = {a for a in ("expert", "fsdp") if sizes.get(a, 1) > 1}
+    whole = not split(spec[-2]) & group and not split(spec[-1]) & group
+    return "fsdp" in group and split(spec[-3]) == group and whole
 
 
 def _devices(axes) -> int:

@@ -80,7 +80,8 @@ class Policy:
       `experts` rule `("expert", "fsdp")`) and the tokens over the same axes: each row goes
       to one device, and each expert's slots hold `expert_buffer` times its even share of
       a device's rows (0: every row it could receive), in as many rounds as they need.
-      Dense weights without `tensor` splits; otherwise the forms above.
+      Dense weights without `tensor` splits; otherwise the forms above. A model whose routed
+      experts are placed so resolves to it (`DeepseekV4.resolved_policy`).
     - `stationary_rows`: under expert parallelism, the assignments (all devices) up to which
       the tokens travel to the experts' weights instead of the weights being gathered.
     - `stationary_tokens`: up to this many tokens at a block boundary (batch x chunk: a

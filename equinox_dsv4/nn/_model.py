@@ -1,6 +1,7 @@
 """The DeepSeek-V4 model: embedding, `hc_mult` residual streams, the planned layer stack, the
 stream collapse, the final norm and the head; plus the multi-token-prediction (MTP) blocks."""
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -13,7 +14,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._typecheck import typechecked
 from ..config import Config, LayerPlan
-from ..execution import Policy, constrain_batch, error_if, policy_field, with_policy
+from ..execution import (
+    Policy,
+    constrain_batch,
+    error_if,
+    held_whole,
+    policy_field,
+    with_policy,
+)
 from ._cache import Chunk, KVCache
 from ._dspark import DSpark
 from ._hyper import HyperHead
@@ -315,8 +323,15 @@ class DeepseekV4(eqx.Module):
 
     def resolved_policy(self) -> Policy:
         """The policy the jitted entry points compile with: the model's own, or the policy of
-        the platform its weights live on."""
-        return self.policy if self.policy is not None else Policy.for_arrays(self.embed.weight)
+        the platform its weights live on, with `expert_exchange` where the routed experts are
+        placed whole over `expert` and `fsdp` (`parallel.EXCHANGE_RULES`), the placement it
+        takes: the placement chooses the form, so the two cannot disagree."""
+        if self.policy is not None:
+            return self.policy
+        policy = Policy.for_arrays(self.embed.weight)
+        if held_whole(self.layers[0].blocks[0].ffn.experts.w1):
+            policy = dataclasses.replace(policy, expert_exchange=True)
+        return policy
 
 
 # The jitted entry points: the policy set across the tree inside the trace, one compiled program
