@@ -329,7 +329,7 @@ class DeepseekV4(eqx.Module):
         if self.policy is not None:
             return self.policy
         policy = Policy.for_arrays(self.embed.weight)
-        if held_whole(self.layers[0].blocks[0].ffn.experts.w1):
+        if self.layers and held_whole(self.layers[0].blocks[0].ffn.experts.w1):
             policy = dataclasses.replace(policy, expert_exchange=True)
         return policy
 
