@@ -307,10 +307,9 @@ def test_exchanged_experts_equal_one_device(mesh_shape, buffer, routing, tokens,
     # `Policy.expert_exchange`, the experts split whole over expert x fsdp (`EXCHANGE_RULES`):
     # each device sends its tokens' rows to the devices that own their experts by all-to-all
     # and gets their outputs back, in rounds of `buffer` times each expert's even share of
-    # them; few tokens
-    # stay on every device of the group, which each run their own experts' share. Outputs
-    # and gradients (the custom VJP's rounds backward) equal one device's however the
-    # router chooses, and no expert's weights are gathered.
+    # them; few tokens stay on every device of the group, which each run their own experts'
+    # share. Outputs and gradients (the custom VJP's rounds backward) equal one device's
+    # however the router chooses, and no expert's weights are gathered.
     config = tiny_config(hidden_size=32, moe_intermediate_size=64)
     experts = random_fill(abstract(ed.nn.Experts, config), seed=8)
     rng = np.random.default_rng(8)
